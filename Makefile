@@ -1,0 +1,23 @@
+# The two entry points of the README; each sets everything up on first use.
+#   make demo   real-data demo: Ding de-en, baseline vs transformer_local_tied, one results table
+#   make test   the test suite (what CI runs)
+VENV ?= $(if $(LOCAL_ATTN_VENV),$(LOCAL_ATTN_VENV),$(CURDIR)/.venv)
+PYTHON := $(VENV)/bin/python
+export LOCAL_ATTN_VENV := $(VENV)
+
+.PHONY: setup demo test test-fast bench clean-demo
+
+setup:
+	@bash scripts/setup_env.sh
+
+demo: setup
+	$(PYTHON) scripts/demo.py $(DEMO_ARGS)
+
+test: setup
+	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+
+bench: setup
+	$(PYTHON) benchmarks/training_throughput.py $(BENCH_ARGS)
+
+clean-demo:
+	rm -rf demo_runs

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Training throughput of ``transformer_local_tied`` against fairseq's ``transformer``.
+
+Both models are built through fairseq's own argument parsing with the demo's sizes, on the
+demo's binarised Ding data (prepared if missing), and trained on the same batches with the
+same criterion and optimiser. The machine is shared and noisy, so the two are timed in
+alternating rounds within one process and the ratio of their median rates is what counts.
+
+    python benchmarks/training_throughput.py [--rounds 6] [--batches 20]
+
+Target: ratio (local_tied / baseline) >= 0.95; fixed masks must cost almost nothing.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, ROOT)
+
+import demo  # noqa: E402  (the demo's data preparation and model sizes)
+from fairseq import options, tasks  # noqa: E402
+
+
+def build(bin_dir, arch, extra):
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        parser, [bin_dir, "--arch", arch, *extra, *demo.MODEL_DIMS, *demo.SCHEDULE]
+    )
+    task = tasks.setup_task(args)
+    model = task.build_model(args)
+    criterion = task.build_criterion(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+    return task, args, model, criterion, optimizer
+
+
+def fixed_batches(task, args, n):
+    task.load_dataset("train")
+    itr = task.get_batch_iterator(
+        dataset=task.dataset("train"), max_tokens=args.max_tokens, seed=1,
+        max_positions=(1024, 1024), num_workers=0,
+    ).next_epoch_itr(shuffle=True)
+    return [next(itr) for _ in range(n)]
+
+
+def train_steps(model, criterion, optimizer, batches):
+    """Seconds for one pass of forward, backward and optimiser step over the batches."""
+    model.train()
+    start = time.perf_counter()
+    for sample in batches:
+        loss, _, _ = criterion(model, sample)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batches", type=int, default=20, help="batches per model per round")
+    parser.add_argument("--work-dir", default=os.path.join(ROOT, "demo_runs"))
+    args = parser.parse_args()
+
+    data_dir = os.path.join(os.path.abspath(args.work_dir), "data")
+    os.makedirs(data_dir, exist_ok=True)
+    bin_dir = demo.prepare_data(data_dir, 8000)
+
+    torch.manual_seed(1)
+    models = {}
+    for label, arch, extra in demo.MODELS:
+        task, targs, model, criterion, optimizer = build(bin_dir, arch, extra)
+        models[label] = (model, criterion, optimizer)
+    batches = fixed_batches(task, targs, args.batches)
+    words = sum(b["ntokens"] for b in batches)
+
+    for model, criterion, optimizer in models.values():  # warm-up, not timed
+        train_steps(model, criterion, optimizer, batches[:3])
+    rates = {label: [] for label in models}
+    labels = list(models)
+    for r in range(args.rounds):
+        for label in labels if r % 2 == 0 else labels[::-1]:
+            rates[label].append(words / train_steps(*models[label], batches))
+
+    print(f"\ntraining throughput, demo sizes, {args.batches} batches x {args.rounds} rounds "
+          f"({words} target words per pass), torch threads {torch.get_num_threads()}\n")
+    print("| model | median words/s | min | max |")
+    print("|---|---:|---:|---:|")
+    for label in labels:
+        rs = rates[label]
+        print(f"| {label} | {statistics.median(rs):.0f} | {min(rs):.0f} | {max(rs):.0f} |")
+    base, local = (statistics.median(rates[label]) for label in labels)
+    per_round = [l / b for b, l in zip(rates[labels[0]], rates[labels[1]])]
+    print(f"\nratio {labels[1]} / {labels[0]}: {local / base:.3f} "
+          f"(per round: {', '.join(f'{x:.3f}' for x in per_round)}); target >= 0.95")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Fixed binary head masks of Pande et al. (Section 4.1): which keys a head may attend to.
+
+Every mask of the paper is a contiguous range of relative offsets ``d = j - i`` (key minus query
+position), so a mask is stored as its bounds ``(lo, hi)``:
+
+==============  ===============  ==========================================
+name            offsets          query ``i`` attends to
+==============  ===============  ==========================================
+``global``      (-inf, +inf)     every key (no mask)
+``identity``    [0, 0]           itself
+``prev-k``      [-k, -k]         the token ``k`` places before it (``i-k``)
+``next-k``      [+k, +k]         the token ``k`` places after it (``i+k``)
+``band-k``      [-k, +k]         the window ``i-k .. i+k``
+==============  ===============  ==========================================
+
+The paper's text defines prev-k by ``j - i = k`` but also as the identity shifted left, and
+motivates prev masks with a period attending to the tokens before it; we follow the motivation:
+``prev-k`` looks back, ``next-k`` looks ahead.
+"""
+import re
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+UNBOUNDED = None
+_MASK_NAME = re.compile(r"^(band|prev|next)-(-?\d+)$")
+MASK_SYNTAX = "global, identity, band-K, prev-K or next-K (K a non-negative integer)"
+
+
+class MaskBounds(NamedTuple):
+    """Allowed relative offsets ``lo <= j - i <= hi``; ``None`` means unbounded on that side."""
+
+    lo: Optional[int]
+    hi: Optional[int]
+
+    @property
+    def is_global(self):
+        return self.lo is None and self.hi is None
+
+
+def parse_mask(name: str) -> MaskBounds:
+    """Bounds of a mask name; raises ValueError naming the problem for anything else."""
+    if name == "global":
+        return MaskBounds(UNBOUNDED, UNBOUNDED)
+    if name == "identity":
+        return MaskBounds(0, 0)
+    match = _MASK_NAME.match(name) if isinstance(name, str) else None
+    if match is None:
+        raise ValueError(f"unknown mask {name!r}; expected {MASK_SYNTAX}")
+    kind, k = match.group(1), int(match.group(2))
+    if k < 0:
+        raise ValueError(f"mask {name!r} has a negative window; K must be >= 0")
+    if kind == "band":
+        return MaskBounds(-k, k)
+    return MaskBounds(-k, -k) if kind == "prev" else MaskBounds(k, k)
+
+
+def offset_mask(
+    bounds: Sequence[MaskBounds], tgt_len: int, src_len: int, device=None
+) -> torch.Tensor:
+    """Binary masks of shape (heads, tgt_len, src_len) for queries aligned to the last keys.
+
+    Query ``t`` sits at position ``src_len - tgt_len + t``: for self-attention over a full
+    sequence that is ``t`` itself; in incremental decoding (one query, all keys so far) it is the
+    newest position. Self-attention shares one padding offset between queries and keys, so
+    relative offsets are the same with fairseq's left-padded sources.
+    """
+    query_pos = torch.arange(src_len - tgt_len, src_len, device=device)
+    key_pos = torch.arange(src_len, device=device)
+    offsets = key_pos[None, :] - query_pos[:, None]  # (tgt, src): j - i
+    masks = []
+    for b in bounds:
+        allowed = torch.ones_like(offsets, dtype=torch.bool)
+        if b.lo is not None:
+            allowed &= offsets >= b.lo
+        if b.hi is not None:
+            allowed &= offsets <= b.hi
+        masks.append(allowed)
+    return torch.stack(masks)

@@ -1,0 +1,1 @@
+from . import transformer_local  # noqa: F401

@@ -1,0 +1,311 @@
+"""LocalMultiheadAttention: fairseq's multi-head attention with per-head locality mechanisms.
+
+This is the one place where mechanisms are composed, always in this order (see DESIGN.md):
+
+1. project q, k, v; heads may use the Wq/Wk of another head, of this layer or of another layer
+   (tying: the parameters exist once, in the owning layer);
+2. logits = q k^T / sqrt(d);
+3. causal and key-padding masks (a query with no allowed key gets zeros, never NaN);
+4. softmax;
+5. post-softmax fixed binary head masks (Pande et al.: weights keep the values of the softmax
+   over all keys, so they need not sum to one);
+6. attention dropout, times v;
+7. output projection.
+
+Heads that share Wq/Wk within a layer compute their logits and softmax once; the distinct
+Q/K "groups" are expanded to heads just before the per-head masks. A layer with only global,
+untied heads takes PyTorch's fused ``scaled_dot_product_attention`` path, so the plain
+Transformer costs what fairseq's own ``MultiheadAttention`` costs.
+
+The call signature, incremental state and returned weights follow
+``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
+generator and alignment code use it unchanged.
+"""
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from fairseq.incremental_decoding_utils import with_incremental_state
+from fairseq.modules import MultiheadAttention
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from torch import Tensor, nn
+
+from ..locality.fixed_masks import offset_mask
+from ..locality.masked_softmax import safe_softmax
+from ..locality.spec import HeadSpec
+
+IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+
+
+@with_incremental_state
+class LocalMultiheadAttention(nn.Module):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        self_attention: bool = False,
+        encoder_decoder_attention: bool = False,
+        head_specs: Optional[Sequence[HeadSpec]] = None,
+        layer_index: int = 0,
+    ):
+        super().__init__()
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.scaling = self.head_dim**-0.5
+        self.self_attention = self_attention
+        self.encoder_decoder_attention = encoder_decoder_attention
+        self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
+        self.layer_index = layer_index
+
+        self.head_specs = tuple(head_specs) if head_specs else (HeadSpec(),) * num_heads
+        if len(self.head_specs) != num_heads:
+            raise ValueError(f"{len(self.head_specs)} head specs for {num_heads} heads")
+        self.mask_bounds = [spec.bounds for spec in self.head_specs]
+        self.has_head_masks = any(not b.is_global for b in self.mask_bounds)
+
+        # Heads owning their Wq/Wk, in order: their rows in q_proj/k_proj.
+        self.owned_heads = [h for h, s in enumerate(self.head_specs) if s.qk_owner is None]
+        # Distinct (layer, head) Wq/Wk sources this layer uses, and each head's source index.
+        self.qk_sources: List[Tuple[int, int]] = []
+        head_to_group = []
+        for h, spec in enumerate(self.head_specs):
+            source = spec.qk_owner or (layer_index, h)
+            if source not in self.qk_sources:
+                self.qk_sources.append(source)
+            head_to_group.append(self.qk_sources.index(source))
+        self.num_qk_groups = len(self.qk_sources)
+        self.register_buffer("head_to_group", torch.tensor(head_to_group), persistent=False)
+        self.groups_are_heads = head_to_group == list(range(num_heads))
+        self.uses_own_qk_only = self.qk_sources == [(layer_index, h) for h in self.owned_heads]
+
+        qk_out = len(self.owned_heads) * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, qk_out, bias=bias) if qk_out else None
+        self.k_proj = nn.Linear(self.kdim, qk_out, bias=bias) if qk_out else None
+        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        # Modules holding the Wq/Wk of other layers; kept out of _modules so that a tied
+        # parameter is registered (and saved, counted, averaged) exactly once.
+        self._qk_owner_modules: Dict[int, "LocalMultiheadAttention"] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # Same initialisation as fairseq's MultiheadAttention.
+        gain = 1 / math.sqrt(2) if self.kdim == self.vdim == self.embed_dim else 1.0
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            if proj is not None:
+                nn.init.xavier_uniform_(proj.weight, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            nn.init.constant_(self.out_proj.bias, 0.0)
+
+    # -- tying ------------------------------------------------------------------------------
+    def bind_qk_owners(self, attention_by_layer: Sequence["LocalMultiheadAttention"]):
+        """Point this layer at the modules that own the Wq/Wk it borrows (tied across layers)."""
+        owners = {}
+        for layer, head in self.qk_sources:
+            owner = self if layer == self.layer_index else attention_by_layer[layer]
+            if head not in owner.owned_heads:
+                raise ValueError(
+                    f"layer {self.layer_index} borrows Wq/Wk of layer {layer} head {head}, "
+                    "which does not own them"
+                )
+            owners[layer] = owner
+        object.__setattr__(self, "_qk_owner_modules", owners)
+
+    def _qk_projection(self, which: str) -> Tuple[Tensor, Optional[Tensor]]:
+        """Weight and bias projecting to the Q (or K) of every group, gathered from the owners."""
+        if self.uses_own_qk_only:
+            proj = getattr(self, which)
+            return proj.weight, proj.bias
+        weights, biases = [], []
+        d = self.head_dim
+        for layer, head in self.qk_sources:
+            owner = self if layer == self.layer_index else self._qk_owner_modules.get(layer)
+            if owner is None:
+                raise RuntimeError(
+                    f"layer {self.layer_index} uses Wq/Wk of layer {layer}: call bind_qk_owners"
+                )
+            proj = getattr(owner, which)
+            row = owner.owned_heads.index(head) * d
+            weights.append(proj.weight[row : row + d])
+            if proj.bias is not None:
+                biases.append(proj.bias[row : row + d])
+        return torch.cat(weights), (torch.cat(biases) if biases else None)
+
+    def _project_qk(self, x: Tensor, which: str) -> Tensor:
+        """(len, bsz, dim) -> (bsz, groups, len, head_dim)."""
+        weight, bias = self._qk_projection(which)
+        length, bsz = x.shape[:2]
+        y = F.linear(x, weight, bias)
+        return y.view(length, bsz, self.num_qk_groups, self.head_dim).permute(1, 2, 0, 3)
+
+    def _project_v(self, x: Tensor) -> Tensor:
+        length, bsz = x.shape[:2]
+        y = self.v_proj(x)
+        return y.view(length, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: IncrementalState = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """Shapes as in fairseq: query (tgt_len, bsz, embed_dim); returns the output and, if
+        asked, the attention weights after the head masks (averaged over heads, or per head
+        (heads, bsz, tgt_len, src_len) with ``need_head_weights``)."""
+        if need_head_weights:
+            need_weights = True
+        tgt_len, bsz, _ = query.size()
+
+        saved_state = None
+        if incremental_state is not None:
+            saved_state = self._get_input_buffer(incremental_state)
+            if saved_state and "prev_key" in saved_state and static_kv:
+                key = value = None  # encoder-decoder attention: keys computed at step 0
+
+        q = self._project_qk(query, "q_proj")
+        k = self._project_qk(key, "k_proj") if key is not None else None
+        v = self._project_v(value) if value is not None else None
+
+        if saved_state is not None:
+            k, v, key_padding_mask = self._extend_cached(
+                saved_state, k, v, key_padding_mask, bsz, static_kv
+            )
+            self._set_input_buffer(incremental_state, saved_state)
+        assert k is not None and v is not None
+        src_len = k.size(2)
+        if key_padding_mask is not None and key_padding_mask.dim() == 0:
+            key_padding_mask = None
+        if key_padding_mask is not None:
+            assert key_padding_mask.shape == (bsz, src_len), key_padding_mask.shape
+
+        if self._can_use_fused(need_weights, before_softmax):
+            out = self._fused_attention(q, k, v, key_padding_mask, attn_mask)
+            return self._merge_heads(out, tgt_len, bsz), None
+
+        logits = torch.matmul(q * self.scaling, k.transpose(-1, -2))  # (bsz, groups, tgt, src)
+        if attn_mask is not None:
+            logits = logits + attn_mask.to(logits.dtype).unsqueeze(0).unsqueeze(0)
+        if key_padding_mask is not None:
+            logits = logits.masked_fill(
+                key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf")
+            )
+        if before_softmax:
+            return self._expand_groups(logits), v
+
+        probs = safe_softmax(logits, dim=-1)
+        probs = self._expand_groups(probs)
+        if self.has_head_masks:
+            probs = probs * offset_mask(self.mask_bounds, tgt_len, src_len, probs.device)
+        weights = probs
+        probs = self.dropout_module(probs.to(v.dtype))
+        out = torch.matmul(probs, v)  # (bsz, heads, tgt, head_dim)
+        out = self._merge_heads(out, tgt_len, bsz)
+
+        attn_weights = None
+        if need_weights:
+            attn_weights = weights.to(query.dtype).transpose(0, 1)  # (heads, bsz, tgt, src)
+            if not need_head_weights:
+                attn_weights = attn_weights.mean(dim=0)
+        return out, attn_weights
+
+    def _can_use_fused(self, need_weights, before_softmax):
+        return not (need_weights or before_softmax or self.has_head_masks) and (
+            self.groups_are_heads
+        )
+
+    def _fused_attention(self, q, k, v, key_padding_mask, attn_mask):
+        mask = None
+        if attn_mask is not None:
+            mask = attn_mask.to(q.dtype)[None, None]
+        if key_padding_mask is not None:
+            pad = torch.zeros(key_padding_mask.shape, dtype=q.dtype, device=q.device)
+            pad = pad.masked_fill(key_padding_mask.to(torch.bool), float("-inf"))[:, None, None]
+            mask = pad if mask is None else mask + pad
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout_module.p if self.training else 0.0
+        )
+        if mask is not None:
+            # Queries whose keys are all masked: zeros, as in the explicit path.
+            no_key = torch.isneginf(mask).all(dim=-1, keepdim=True)
+            out = out.masked_fill(no_key, 0.0)
+        return out
+
+    def _expand_groups(self, x: Tensor) -> Tensor:
+        """(bsz, groups, ...) -> (bsz, heads, ...): every head takes its Q/K group's values."""
+        if self.groups_are_heads:
+            return x
+        return x.index_select(1, self.head_to_group)
+
+    def _merge_heads(self, out: Tensor, tgt_len: int, bsz: int) -> Tensor:
+        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)
+        return self.out_proj(out)
+
+    # -- incremental decoding ---------------------------------------------------------------
+    def _extend_cached(self, saved_state, k, v, key_padding_mask, bsz, static_kv):
+        """Append this step's keys/values to the cache (or reuse it for static encoder keys)."""
+        if "prev_key" in saved_state:
+            prev_key, prev_value = saved_state["prev_key"], saved_state["prev_value"]
+            assert prev_key is not None and prev_value is not None
+            if static_kv or k is None:
+                k, v = prev_key, prev_value
+            else:
+                k = torch.cat([prev_key, k], dim=2)
+                v = torch.cat([prev_value, v], dim=2)
+        key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
+            key_padding_mask=key_padding_mask,
+            prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
+            batch_size=bsz,
+            src_len=k.size(2),
+            static_kv=static_kv,
+        )
+        saved_state["prev_key"] = k
+        saved_state["prev_value"] = v
+        saved_state["prev_key_padding_mask"] = key_padding_mask
+        return k, v, key_padding_mask
+
+    @torch.jit.export
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
+        """Reorder cached keys/values to follow the beam search's new hypothesis order."""
+        input_buffer = self._get_input_buffer(incremental_state)
+        if input_buffer is not None:
+            for name, value in input_buffer.items():
+                if value is not None:
+                    input_buffer[name] = value.index_select(0, new_order)
+            incremental_state = self._set_input_buffer(incremental_state, input_buffer)
+        return incremental_state
+
+    def set_beam_size(self, beam_size: int):
+        """Called by fairseq's generator; every cache here is simply reordered per step."""
+
+    def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
+        result = self.get_incremental_state(incremental_state, "attn_state")
+        return result if result is not None else {}
+
+    def _set_input_buffer(self, incremental_state, buffer: Dict[str, Optional[Tensor]]):
+        return self.set_incremental_state(incremental_state, "attn_state", buffer)
+
+    def extra_repr(self):
+        masks = " ".join(
+            s.mask + (f"@{s.qk_owner[0]}.{s.qk_owner[1]}" if s.qk_owner else "")
+            for s in self.head_specs
+        )
+        return f"layer={self.layer_index}, heads=[{masks}]"

@@ -1,0 +1,145 @@
+"""fairseq's Transformer encoder/decoder layers and stacks, with LocalMultiheadAttention inside.
+
+The layers change nothing but which attention module they build; the stacks tell each layer its
+index and its heads' locality, then bind the Wq/Wk that heads borrow across layers.
+"""
+from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase
+from fairseq.modules.transformer_layer import (
+    TransformerDecoderLayerBase,
+    TransformerEncoderLayerBase,
+)
+
+from ..locality.spec import LocalitySpec
+from .local_multihead_attention import LocalMultiheadAttention
+
+
+def _reject_quant_noise(cfg):
+    if cfg.quant_noise.pq > 0:
+        raise ValueError("--quant-noise-pq is not supported with local attention layers")
+
+
+class LocalTransformerEncoderLayer(TransformerEncoderLayerBase):
+    def __init__(self, cfg, locality: LocalitySpec, layer_index: int, return_fc=False):
+        self.locality, self.layer_index = locality, layer_index
+        super().__init__(cfg, return_fc=return_fc)
+
+    def build_self_attention(self, embed_dim, cfg):
+        _reject_quant_noise(cfg)
+        return LocalMultiheadAttention(
+            embed_dim,
+            cfg.encoder.attention_heads,
+            dropout=cfg.attention_dropout,
+            self_attention=True,
+            head_specs=self.locality.heads("encoder_self", self.layer_index),
+            layer_index=self.layer_index,
+        )
+
+
+class LocalTransformerDecoderLayer(TransformerDecoderLayerBase):
+    def __init__(
+        self, cfg, locality: LocalitySpec, layer_index: int, no_encoder_attn=False, **kwargs
+    ):
+        self.locality, self.layer_index = locality, layer_index
+        super().__init__(cfg, no_encoder_attn=no_encoder_attn, **kwargs)
+
+    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
+        _reject_quant_noise(cfg)
+        if add_bias_kv or add_zero_attn:
+            raise ValueError("add_bias_kv / add_zero_attn are not supported with local attention")
+        if cfg.cross_self_attention and self.locality.is_local("decoder_self"):
+            raise ValueError(
+                "--cross-self-attention prepends the source to the decoder keys, so decoder "
+                "self-attention masks would be misaligned; use one or the other"
+            )
+        return LocalMultiheadAttention(
+            embed_dim,
+            cfg.decoder.attention_heads,
+            dropout=cfg.attention_dropout,
+            self_attention=not cfg.cross_self_attention,
+            head_specs=self.locality.heads("decoder_self", self.layer_index),
+            layer_index=self.layer_index,
+        )
+
+    def build_encoder_attention(self, embed_dim, cfg):
+        _reject_quant_noise(cfg)
+        return LocalMultiheadAttention(
+            embed_dim,
+            cfg.decoder.attention_heads,
+            kdim=cfg.encoder.embed_dim,
+            vdim=cfg.encoder.embed_dim,
+            dropout=cfg.attention_dropout,
+            encoder_decoder_attention=True,
+            head_specs=self.locality.heads("decoder_cross", self.layer_index),
+            layer_index=self.layer_index,
+        )
+
+
+def _unwrap(layer):
+    # fsdp_wrap / checkpoint_wrapper may wrap a layer; the attention lives on the inner module.
+    return getattr(layer, "module", layer)
+
+
+def bind_tied_projections(layers, attribute):
+    attention = [getattr(_unwrap(layer), attribute) for layer in layers]
+    for module in attention:
+        module.bind_qk_owners(attention)
+
+
+class LocalTransformerEncoder(TransformerEncoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens, locality: LocalitySpec, return_fc=False):
+        self.locality = locality
+        self._layers_built = 0
+        super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
+        if cfg.encoder.layers_to_keep:
+            raise ValueError("--encoder-layers-to-keep is not supported with local attention")
+        bind_tied_projections(self.layers, "self_attn")
+
+    def build_encoder_layer(self, cfg):
+        layer = LocalTransformerEncoderLayer(
+            cfg, self.locality, self._layers_built, return_fc=self.return_fc
+        )
+        self._layers_built += 1
+        return self._wrap_layer(layer, cfg)
+
+    @staticmethod
+    def _wrap_layer(layer, cfg):
+        from fairseq.distributed import fsdp_wrap
+        from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+
+        if cfg.checkpoint_activations:
+            layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+        min_params = cfg.min_params_to_wrap if not cfg.checkpoint_activations else 0
+        return fsdp_wrap(layer, min_num_params=min_params)
+
+
+class LocalTransformerDecoder(TransformerDecoderBase):
+    def __init__(
+        self,
+        cfg,
+        dictionary,
+        embed_tokens,
+        locality: LocalitySpec,
+        no_encoder_attn=False,
+        output_projection=None,
+    ):
+        self.locality = locality
+        self._layers_built = 0
+        super().__init__(
+            cfg,
+            dictionary,
+            embed_tokens,
+            no_encoder_attn=no_encoder_attn,
+            output_projection=output_projection,
+        )
+        if cfg.decoder.layers_to_keep:
+            raise ValueError("--decoder-layers-to-keep is not supported with local attention")
+        bind_tied_projections(self.layers, "self_attn")
+        if not no_encoder_attn:
+            bind_tied_projections(self.layers, "encoder_attn")
+
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        layer = LocalTransformerDecoderLayer(
+            cfg, self.locality, self._layers_built, no_encoder_attn=no_encoder_attn
+        )
+        self._layers_built += 1
+        return LocalTransformerEncoder._wrap_layer(layer, cfg)

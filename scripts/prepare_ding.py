@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Extract German-English sentence pairs from the Ding dictionary (Debian's ``trans-de-en``).
+
+Each dictionary line reads ``DE :: EN``; both sides split on `` | `` into aligned sub-entries,
+many of which are example sentences. For every aligned sub-entry we keep the first ``; ``
+alternative, drop the ``{..}``, ``[..]`` and ``<..>`` annotations, and keep the pair when both
+sides are full sentences (capitalised, closing punctuation, at least ``--min-words`` words).
+Duplicates are removed and a seeded split writes ``{train,valid,test}.{de,en}``.
+
+The dictionary is GPL-licensed: it is read from the system at run time and never shipped.
+"""
+import argparse
+import os
+import random
+import re
+import sys
+
+DEFAULT_SOURCE = "/usr/share/trans/de-en"
+_ANNOTATION = re.compile(r"\{[^}]*\}|\[[^\]]*\]|<[^>]*>")
+_SPACES = re.compile(r"\s+")
+_SENTENCE_END = (".", "!", "?")
+
+
+def clean_side(text):
+    """First ``; `` alternative of one sub-entry, without annotations, whitespace normalised."""
+    first = text.split("; ")[0]
+    return _SPACES.sub(" ", _ANNOTATION.sub(" ", first)).strip()
+
+
+def is_sentence(text, min_words):
+    return (
+        len(text.split()) >= min_words
+        and text[0].isupper()
+        and text.endswith(_SENTENCE_END)
+        and not any(c in text for c in "{}[]<>|")
+    )
+
+
+def extract_pairs(lines, min_words=4):
+    """Yield (de, en) sentence pairs from dictionary lines, in file order, deduplicated."""
+    seen = set()
+    for line in lines:
+        line = line.rstrip("\n")
+        if not line or line.startswith("#") or " :: " not in line:
+            continue
+        de_side, en_side = line.split(" :: ", 1)
+        de_parts, en_parts = de_side.split(" | "), en_side.split(" | ")
+        if len(de_parts) != len(en_parts):
+            continue  # misaligned entry: pairing its parts would be guesswork
+        for de_raw, en_raw in zip(de_parts, en_parts):
+            de, en = clean_side(de_raw), clean_side(en_raw)
+            if not (is_sentence(de, min_words) and is_sentence(en, min_words)):
+                continue
+            if (de, en) in seen:
+                continue
+            seen.add((de, en))
+            yield de, en
+
+
+def split_pairs(pairs, n_test, n_valid, seed):
+    if len(pairs) <= n_test + n_valid:
+        raise ValueError(
+            f"only {len(pairs)} sentence pairs, not enough for {n_test} test + {n_valid} valid"
+        )
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    shuffled = [pairs[i] for i in order]
+    return {
+        "test": shuffled[:n_test],
+        "valid": shuffled[n_test : n_test + n_valid],
+        "train": shuffled[n_test + n_valid :],
+    }
+
+
+def write_splits(splits, out_dir, src="de", tgt="en"):
+    os.makedirs(out_dir, exist_ok=True)
+    for name, pairs in splits.items():
+        with open(os.path.join(out_dir, f"{name}.{src}"), "w", encoding="utf-8") as fs, open(
+            os.path.join(out_dir, f"{name}.{tgt}"), "w", encoding="utf-8"
+        ) as ft:
+            for de, en in pairs:
+                fs.write(de + "\n")
+                ft.write(en + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", default=DEFAULT_SOURCE, help="Ding dictionary file")
+    parser.add_argument("--out-dir", required=True, help="directory for {train,valid,test}.{de,en}")
+    parser.add_argument("--test-size", type=int, default=1000)
+    parser.add_argument("--valid-size", type=int, default=500)
+    parser.add_argument("--min-words", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    if not os.path.exists(args.source):
+        sys.exit(
+            f"error: {args.source} not found; install Debian's dictionary with "
+            "'apt-get install trans-de-en' or pass --source"
+        )
+    with open(args.source, encoding="utf-8") as f:
+        pairs = list(extract_pairs(f, args.min_words))
+    splits = split_pairs(pairs, args.test_size, args.valid_size, args.seed)
+    write_splits(splits, args.out_dir)
+    sizes = ", ".join(f"{k} {len(v)}" for k, v in splits.items())
+    print(f"| Ding de-en: {len(pairs)} sentence pairs ({sizes}) -> {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

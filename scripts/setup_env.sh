@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Set up everything local_attn_fairseq needs, on a fresh Debian machine or an existing one:
+# Debian packages, a virtual environment with the pinned stack, and the plugin itself.
+# Quick when already done: it only redoes what is missing or out of date.
+#
+#   LOCAL_ATTN_VENV           virtual environment to use (default: .venv in the repo root)
+#   LOCAL_ATTN_WHEEL_CACHE    where the fairseq wheel built here is kept for later set-ups
+#                             (default: ~/.cache/local_attn_fairseq/wheels)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${LOCAL_ATTN_VENV:-$ROOT/.venv}
+WHEEL_CACHE=${LOCAL_ATTN_WHEEL_CACHE:-$HOME/.cache/local_attn_fairseq/wheels}
+PYTHON=${PYTHON:-python3}
+APT_PACKAGES=(trans-de-en)
+FAIRSEQ=fairseq-fixed==0.12.3.1
+
+log() { echo "[setup] $*"; }
+
+# 1. Debian packages (the demo's corpus).
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# 2. The virtual environment, redone when constraints.txt or setup.py change.
+stamp="$VENV/.local_attn_fairseq.stamp"
+want=$(cat "$ROOT/constraints.txt" "$ROOT/requirements.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import local_attn_fairseq" 2>/dev/null; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q -c "$ROOT/constraints.txt")
+
+log "installing torch, torchaudio and fairseq's build requirements"
+"${PIP[@]}" torch torchaudio numpy cython setuptools wheel
+
+# 3. fairseq: its sdist has C++ extensions that must be built against the pinned torch;
+#    the wheel is cached so that later set-ups skip the three-minute build.
+wheel=$(ls "$WHEEL_CACHE"/fairseq_fixed-0.12.3.1-*.whl 2>/dev/null | head -n 1 || true)
+if [ -z "$wheel" ]; then
+  log "building $FAIRSEQ against the pinned torch (about 3 minutes, once)"
+  mkdir -p "$WHEEL_CACHE"
+  # With CUDA_HOME set the build looks for CUDA sources the sdist does not ship.
+  env -u CUDA_HOME "$VENV/bin/python" -m pip wheel --disable-pip-version-check -q \
+    --no-build-isolation --no-deps -c "$ROOT/constraints.txt" -w "$WHEEL_CACHE" "$FAIRSEQ"
+  wheel=$(ls "$WHEEL_CACHE"/fairseq_fixed-0.12.3.1-*.whl | head -n 1)
+fi
+log "installing the pinned stack and the plugin"
+"${PIP[@]}" "$wheel" -r "$ROOT/requirements.txt"
+"${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"
+"$VENV/bin/python" - <<'PY'
+import importlib
+for name in ["fairseq.libbleu", "fairseq.data.data_utils_fast", "fairseq.data.token_block_utils_fast",
+             "fairseq.libbase", "fairseq.libnat", "alignment_train_cpu_binding", "local_attn_fairseq"]:
+    importlib.import_module(name)
+PY
+echo "$want" > "$stamp"
+log "ready: $VENV"

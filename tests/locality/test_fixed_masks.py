@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from local_attn_fairseq.locality.fixed_masks import MaskBounds, offset_mask, parse_mask
+
+
+def mask_of(name, length=5):
+    return offset_mask([parse_mask(name)], length, length)[0].int().tolist()
+
+
+def test_identity():
+    assert mask_of("identity", 3) == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+
+
+def test_prev_looks_back():
+    # token i attends to i-1; the first token has nothing to attend to
+    assert mask_of("prev-1", 4) == [[0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]]
+    assert mask_of("prev-2", 4) == [[0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0]]
+
+
+def test_next_looks_ahead():
+    assert mask_of("next-1", 4) == [[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
+    assert mask_of("next-2", 4) == [[0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def test_band():
+    assert mask_of("band-1", 5) == [
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [0, 1, 1, 1, 0],
+        [0, 0, 1, 1, 1],
+        [0, 0, 0, 1, 1],
+    ]
+    assert mask_of("band-2", 5)[2] == [1, 1, 1, 1, 1]
+    assert mask_of("band-2", 5)[0] == [1, 1, 1, 0, 0]
+
+
+def test_global_is_all_ones():
+    assert torch.tensor(mask_of("global", 4)).all()
+
+
+def test_band_longer_than_sequence_is_global():
+    assert torch.tensor(mask_of("band-9", 3)).all()
+
+
+def test_incremental_query_is_the_newest_position():
+    # one query over 4 keys: it sits at position 3
+    m = offset_mask([parse_mask("prev-1"), parse_mask("band-1"), parse_mask("identity")], 1, 4)
+    assert m[:, 0].int().tolist() == [[0, 0, 1, 0], [0, 0, 1, 1], [0, 0, 0, 1]]
+
+
+@pytest.mark.parametrize(
+    "name,bounds",
+    [("global", MaskBounds(None, None)), ("identity", MaskBounds(0, 0)), ("band-3", MaskBounds(-3, 3)),
+     ("prev-2", MaskBounds(-2, -2)), ("next-1", MaskBounds(1, 1))],
+)
+def test_parse(name, bounds):
+    assert parse_mask(name) == bounds
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [("band--1", "negative window"), ("prev--2", "negative window"), ("bnd-2", "unknown mask"),
+     ("band", "unknown mask"), ("band-x", "unknown mask"), ("", "unknown mask")],
+)
+def test_parse_rejects(name, message):
+    with pytest.raises(ValueError, match=message):
+        parse_mask(name)

@@ -1,0 +1,119 @@
+import json
+
+import pytest
+
+from local_attn_fairseq.locality.spec import (
+    HeadSpec,
+    LocalitySpec,
+    LocalitySpecError,
+    preset_names,
+)
+
+LAYERS = {"encoder_self": 6, "decoder_self": 6, "decoder_cross": 6}
+HEADS = {"encoder_self": 8, "decoder_self": 8, "decoder_cross": 8}
+PAPER_PRESETS = [
+    "2loc-all6", "4loc-all6", "8loc-first3", "8loc-last3", "8loc-all6", "4loc4tied-all6",
+    "2loc6tied-all6", "1loc7tied-all6", "1loc7tied-first3", "half-tied", "fully-tied",
+]
+ALL7 = ["identity", "identity", "prev-1", "prev-2", "next-1", "next-2", "band-1", "band-2"]
+
+
+def spec(config):
+    return LocalitySpec(config, LAYERS, HEADS)
+
+
+def masks(s, layer, attn="encoder_self"):
+    return [h.mask for h in s.heads(attn, layer)]
+
+
+def owners(s, layer, attn="encoder_self"):
+    return [h.qk_owner for h in s.heads(attn, layer)]
+
+
+def test_every_paper_configuration_is_shipped():
+    assert set(PAPER_PRESETS) <= set(preset_names())
+
+
+def test_no_config_is_the_plain_transformer():
+    s = spec(None)
+    assert not s.is_local("encoder_self")
+    assert s.heads("encoder_self", 3) == (HeadSpec(),) * 8
+
+
+def test_preset_layouts_follow_the_paper():
+    b = spec("2loc-all6")
+    assert all(masks(b, l) == ["band-1", "band-2"] + ["global"] * 6 for l in range(6))
+    d, e = spec("8loc-first3"), spec("8loc-last3")
+    assert [sorted(masks(d, l)) == sorted(ALL7) for l in range(6)] == [True] * 3 + [False] * 3
+    assert [sorted(masks(e, l)) == sorted(ALL7) for l in range(6)] == [False] * 3 + [True] * 3
+    g = spec("4loc4tied-all6")
+    assert owners(g, 2) == [None, (2, 0), None, (2, 2), None, (2, 4), None, (2, 6)]
+    assert masks(g, 2) == ["identity", "band-2"] * 4
+    h = spec("2loc6tied-all6")
+    assert owners(h, 1) == [None, (1, 0), (1, 0), (1, 0), None, (1, 4), (1, 4), (1, 4)]
+    assert masks(h, 1) == ["identity", "band-2", "prev-1", "next-1"] * 2
+    i = spec("1loc7tied-all6")
+    assert all(owners(i, l) == [None] + [(l, 0)] * 7 for l in range(6))
+    assert sorted(masks(i, 4)) == sorted(ALL7)
+    k = spec("half-tied")
+    assert owners(k, 0) == [None] + [(0, 0)] * 7
+    assert owners(k, 2) == [(0, 0)] * 8 and masks(k, 4) == ["global"] * 8
+    l_ = spec("fully-tied")
+    assert all(owners(l_, l) == [(0, 0)] * 8 for l in range(1, 6))
+
+
+def test_chains_of_ties_resolve_to_the_owner():
+    s = spec({"encoder_self": {"0": ["global", "band-1@0", "band-2@1"] + ["global"] * 5,
+                               "1": ["identity@0.2"] + ["global"] * 7}})
+    assert owners(s, 0)[:3] == [None, (0, 0), (0, 0)]
+    assert owners(s, 1)[0] == (0, 0)
+
+
+def test_inline_yaml_and_file_and_canonical_json(tmp_path):
+    inline = "{encoder_self: {0-1: [band-1, band-2, global, global, global, global, global, global]}}"
+    a = spec(inline)
+    path = tmp_path / "mine.yaml"
+    path.write_text("encoder_self:\n  0-1: band-1 band-2 global global global global global global\n")
+    b = spec(str(path))
+    c = spec(a.to_json())
+    for s in (a, b, c):
+        assert masks(s, 1)[:2] == ["band-1", "band-2"] and masks(s, 2) == ["global"] * 8
+    assert json.loads(a.to_json()) == a.config
+
+
+def test_decoder_band_and_cross_tying_are_allowed():
+    s = spec({"decoder_self": {"all": ["band-2", "prev-1"] + ["global"] * 6},
+              "decoder_cross": {"all": ["global"] + ["global@0"] * 7}})
+    assert masks(s, 5, "decoder_self")[:2] == ["band-2", "prev-1"]
+    assert owners(s, 5, "decoder_cross") == [None] + [(5, 0)] * 7
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"encoder_self": {"all": ["bnd-2"] + ["global"] * 7}}, r"layer 0 head 0: unknown mask 'bnd-2'"),
+        ({"encoder_self": {"all": ["band--2"] + ["global"] * 7}}, "negative window"),
+        ({"encoder_self": {"all": ["global"] * 6}}, "lists 6 heads but the model has 8"),
+        ({"encoder_self": {"all": ["band-1@9"] + ["global"] * 7}}, "ties to head 9, which does not exist"),
+        ({"encoder_self": {"1": ["band-1@7.0"] + ["global"] * 7}}, "ties to layer 7, which does not exist"),
+        ({"encoder_self": {"7": ["global"] * 8}}, "layer 7 does not exist; the model has 6 layers"),
+        ({"encoder_self": {"0": ["global@1", "global@0"] + ["global"] * 6}}, "cycle"),
+        ({"encoder_self": {"0": ["band-1@x"] + ["global"] * 7}}, "not H or L.H"),
+        ({"encoder_self": {"0-2": ["global"] * 8, "2": ["global"] * 8}}, "given more than once"),
+        ({"encoder_self": {"first": ["global"] * 8}}, "layer selector 'first'"),
+        ({"decoder_self": {"0": ["next-1"] + ["global"] * 7}}, "future tokens"),
+        ({"decoder_cross": {"0": ["band-1"] + ["global"] * 7}}, "cross-attention heads can only be global"),
+        ({"encoder": {"0": ["global"] * 8}}, "unknown key"),
+        ("no-such-preset", "neither a preset"),
+    ],
+)
+def test_wrong_specs_are_rejected_with_the_problem_named(config, message):
+    with pytest.raises(LocalitySpecError, match=message):
+        spec(config)
+
+
+def test_malformed_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("encoder_self: [unclosed\n")
+    with pytest.raises(LocalitySpecError, match="not valid YAML"):
+        spec(str(path))
