@@ -26,10 +26,10 @@ import demo  # noqa: E402  (the demo's data preparation and model sizes)
 from fairseq import options, tasks  # noqa: E402
 
 
-def build(bin_dir, arch, extra):
+def build(bin_dir, arch, extra, dims):
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(
-        parser, [bin_dir, "--arch", arch, *extra, *demo.MODEL_DIMS, *demo.SCHEDULE]
+        parser, [bin_dir, "--arch", arch, *extra, *dims, *demo.SCHEDULE]
     )
     task = tasks.setup_task(args)
     model = task.build_model(args)
@@ -64,16 +64,18 @@ def main():
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batches", type=int, default=20, help="batches per model per round")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "demo_runs"))
+    parser.add_argument("--base-sizes", action="store_true",
+                        help="Transformer base sizes (512 dims, 6+6 layers) instead of the demo's")
     args = parser.parse_args()
+    dims = ["--share-all-embeddings"] if args.base_sizes else demo.MODEL_DIMS
 
-    data_dir = os.path.join(os.path.abspath(args.work_dir), "data")
-    os.makedirs(data_dir, exist_ok=True)
-    bin_dir = demo.prepare_data(data_dir, 8000)
+    data_dir = demo.data_dir_for(os.path.abspath(args.work_dir), demo.DEFAULT_VOCAB_SIZE)
+    bin_dir = demo.prepare_data(data_dir, demo.DEFAULT_VOCAB_SIZE)
 
     torch.manual_seed(1)
     models = {}
     for label, arch, extra in demo.MODELS:
-        task, targs, model, criterion, optimizer = build(bin_dir, arch, extra)
+        task, targs, model, criterion, optimizer = build(bin_dir, arch, extra, dims)
         models[label] = (model, criterion, optimizer)
     batches = fixed_batches(task, targs, args.batches)
     words = sum(b["ntokens"] for b in batches)
@@ -86,7 +88,8 @@ def main():
         for label in labels if r % 2 == 0 else labels[::-1]:
             rates[label].append(words / train_steps(*models[label], batches))
 
-    print(f"\ntraining throughput, demo sizes, {args.batches} batches x {args.rounds} rounds "
+    sizes = "Transformer base sizes" if args.base_sizes else "demo sizes"
+    print(f"\ntraining throughput, {sizes}, {args.batches} batches x {args.rounds} rounds "
           f"({words} target words per pass), torch threads {torch.get_num_threads()}\n")
     print("| model | median words/s | min | max |")
     print("|---|---:|---:|---:|")

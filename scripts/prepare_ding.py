@@ -57,7 +57,7 @@ def extract_pairs(lines, min_words=4):
             yield de, en
 
 
-def split_pairs(pairs, n_test, n_valid, seed):
+def split_pairs(pairs, n_test, n_valid, seed, max_train=None):
     if len(pairs) <= n_test + n_valid:
         raise ValueError(
             f"only {len(pairs)} sentence pairs, not enough for {n_test} test + {n_valid} valid"
@@ -68,7 +68,7 @@ def split_pairs(pairs, n_test, n_valid, seed):
     return {
         "test": shuffled[:n_test],
         "valid": shuffled[n_test : n_test + n_valid],
-        "train": shuffled[n_test + n_valid :],
+        "train": shuffled[n_test + n_valid :][:max_train],
     }
 
 
@@ -91,6 +91,9 @@ def main(argv=None):
     parser.add_argument("--valid-size", type=int, default=500)
     parser.add_argument("--min-words", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--max-train", type=int, default=None, help="keep only this many training pairs (smoke runs)"
+    )
     args = parser.parse_args(argv)
 
     if not os.path.exists(args.source):
@@ -100,7 +103,7 @@ def main(argv=None):
         )
     with open(args.source, encoding="utf-8") as f:
         pairs = list(extract_pairs(f, args.min_words))
-    splits = split_pairs(pairs, args.test_size, args.valid_size, args.seed)
+    splits = split_pairs(pairs, args.test_size, args.valid_size, args.seed, args.max_train)
     write_splits(splits, args.out_dir)
     sizes = ", ".join(f"{k} {len(v)}" for k, v in splits.items())
     print(f"| Ding de-en: {len(pairs)} sentence pairs ({sizes}) -> {args.out_dir}")

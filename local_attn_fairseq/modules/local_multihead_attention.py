@@ -253,6 +253,8 @@ class LocalMultiheadAttention(nn.Module):
         """(bsz, groups, ...) -> (bsz, heads, ...): every head takes its Q/K group's values."""
         if self.groups_are_heads:
             return x
+        if self.num_qk_groups == 1:
+            return x.expand(-1, self.num_heads, *x.shape[2:])  # a view: no copy
         return x.index_select(1, self.head_to_group)
 
     def _merge_heads(self, out: Tensor, tgt_len: int, bsz: int) -> Tensor:
