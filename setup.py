@@ -14,5 +14,12 @@ setup(
     # inside the package, where local_attn_fairseq.locality.spec looks for them first.
     package_dir={"local_attn_fairseq.configs": "configs"},
     package_data={"local_attn_fairseq.configs": ["locality/*.yaml"]},
-    install_requires=["fairseq-fixed", "torch", "torchaudio", "pyyaml", "sacrebleu", "sentencepiece"],
+    install_requires=[
+        "fairseq-fixed",
+        "torch",
+        "torchaudio",
+        "pyyaml",
+        "sacrebleu",
+        "sentencepiece",
+    ],
 )

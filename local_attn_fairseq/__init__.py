@@ -3,6 +3,7 @@
 Importing the package applies the stack's compatibility shims and registers the plugin's
 models with fairseq.
 """
+
 from . import compat
 
 compat.apply()

@@ -10,6 +10,7 @@ Both are applied when the plugin is imported and are idempotent:
   normalise volume, resample and down-mix. We provide the three effects fairseq asks for with
   torchaudio's own functional resampler.
 """
+
 import sys
 import types
 
@@ -70,6 +71,7 @@ def provide_sox_effects():
 
     try:
         import torchaudio.sox_effects  # noqa: F401  (still shipped: nothing to do)
+
         return
     except ImportError:
         pass

@@ -13,6 +13,7 @@
 Every step is skipped when its output exists, so a second run only redoes what is missing.
 ``--epochs`` trains longer (the default fits the whole demo in about 20 minutes on 2 cores).
 """
+
 import argparse
 import json
 import os
@@ -29,20 +30,57 @@ BIN = os.path.dirname(sys.executable)
 # Shared by both models: the paper's 8 heads and 6 encoder layers at a size that two CPU cores
 # train in minutes; pre-norm and a short warm-up let it learn in few epochs.
 MODEL_DIMS = [
-    "--encoder-embed-dim", "128", "--encoder-ffn-embed-dim", "256",
-    "--encoder-layers", "6", "--encoder-attention-heads", "8",
-    "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "256",
-    "--decoder-layers", "2", "--decoder-attention-heads", "8",
-    "--encoder-normalize-before", "--decoder-normalize-before", "--share-all-embeddings",
+    "--encoder-embed-dim",
+    "128",
+    "--encoder-ffn-embed-dim",
+    "256",
+    "--encoder-layers",
+    "6",
+    "--encoder-attention-heads",
+    "8",
+    "--decoder-embed-dim",
+    "128",
+    "--decoder-ffn-embed-dim",
+    "256",
+    "--decoder-layers",
+    "2",
+    "--decoder-attention-heads",
+    "8",
+    "--encoder-normalize-before",
+    "--decoder-normalize-before",
+    "--share-all-embeddings",
 ]
 SCHEDULE = [
-    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "3e-3",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "300",
-    "--dropout", "0.2", "--weight-decay", "0.0001",
-    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-    "--max-tokens", "1024", "--num-workers", "0", "--seed", "1",
-    "--no-epoch-checkpoints", "--no-last-checkpoints", "--log-format", "simple",
-    "--log-interval", "100",
+    "--optimizer",
+    "adam",
+    "--adam-betas",
+    "(0.9, 0.98)",
+    "--lr",
+    "3e-3",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "300",
+    "--dropout",
+    "0.2",
+    "--weight-decay",
+    "0.0001",
+    "--criterion",
+    "label_smoothed_cross_entropy",
+    "--label-smoothing",
+    "0.1",
+    "--max-tokens",
+    "1024",
+    "--num-workers",
+    "0",
+    "--seed",
+    "1",
+    "--no-epoch-checkpoints",
+    "--no-last-checkpoints",
+    "--log-format",
+    "simple",
+    "--log-interval",
+    "100",
 ]
 DEFAULT_VOCAB_SIZE = 4000
 # The baseline is fairseq's own arch, but it is run with the plugin too: the plugin's shims are
@@ -78,17 +116,31 @@ def prepare_data(work, vocab_size, max_train=None):
     raw, spm_dir, bin_dir = (os.path.join(work, d) for d in ("raw", "spm", "bin"))
     if not os.path.exists(os.path.join(raw, "test.en")):
         limit = ["--max-train", str(max_train)] if max_train else []
-        run([sys.executable, os.path.join(ROOT, "scripts", "prepare_ding.py"), "--out-dir", raw,
-             *limit])
+        run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "scripts", "prepare_ding.py"),
+                "--out-dir",
+                raw,
+                *limit,
+            ]
+        )
     if not os.path.exists(os.path.join(spm_dir, "test.en")):
         import sentencepiece as spm
 
         os.makedirs(spm_dir, exist_ok=True)
         prefix = os.path.join(spm_dir, "spm")
         spm.SentencePieceTrainer.train(
-            input=f"{raw}/train.de,{raw}/train.en", model_prefix=prefix, vocab_size=vocab_size,
-            character_coverage=1.0, model_type="unigram", bos_id=-1, eos_id=-1, pad_id=-1,
-            unk_id=0, minloglevel=2,
+            input=f"{raw}/train.de,{raw}/train.en",
+            model_prefix=prefix,
+            vocab_size=vocab_size,
+            character_coverage=1.0,
+            model_type="unigram",
+            bos_id=-1,
+            eos_id=-1,
+            pad_id=-1,
+            unk_id=0,
+            minloglevel=2,
         )
         sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
         for split in ("train", "valid", "test"):
@@ -100,10 +152,27 @@ def prepare_data(work, vocab_size, max_train=None):
                         out.write(" ".join(sp.encode(line.strip(), out_type=str)) + "\n")
         print(f"| sentencepiece: joint vocabulary of {vocab_size} -> {spm_dir}")
     if not os.path.exists(os.path.join(bin_dir, "test.de-en.en.bin")):
-        run([os.path.join(BIN, "fairseq-preprocess"), "--source-lang", "de", "--target-lang", "en",
-             "--trainpref", f"{spm_dir}/train", "--validpref", f"{spm_dir}/valid",
-             "--testpref", f"{spm_dir}/test", "--destdir", bin_dir, "--joined-dictionary",
-             "--workers", "2"], log_path=os.path.join(work, "preprocess.log"))
+        run(
+            [
+                os.path.join(BIN, "fairseq-preprocess"),
+                "--source-lang",
+                "de",
+                "--target-lang",
+                "en",
+                "--trainpref",
+                f"{spm_dir}/train",
+                "--validpref",
+                f"{spm_dir}/valid",
+                "--testpref",
+                f"{spm_dir}/test",
+                "--destdir",
+                bin_dir,
+                "--joined-dictionary",
+                "--workers",
+                "2",
+            ],
+            log_path=os.path.join(work, "preprocess.log"),
+        )
     return bin_dir
 
 
@@ -121,8 +190,19 @@ def train_all(bin_dir, work, epochs):
         process = None
         if not os.path.exists(os.path.join(save_dir, "checkpoint_best.pt")):
             os.makedirs(save_dir, exist_ok=True)
-            cmd = [os.path.join(BIN, "fairseq-train"), bin_dir, "--arch", arch, *extra,
-                   *MODEL_DIMS, *SCHEDULE, "--max-epoch", str(epochs), "--save-dir", save_dir]
+            cmd = [
+                os.path.join(BIN, "fairseq-train"),
+                bin_dir,
+                "--arch",
+                arch,
+                *extra,
+                *MODEL_DIMS,
+                *SCHEDULE,
+                "--max-epoch",
+                str(epochs),
+                "--save-dir",
+                save_dir,
+            ]
             print("$ " + " ".join(cmd), flush=True)
             with open(os.path.join(save_dir, "train.log"), "w") as log:
                 process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -132,8 +212,10 @@ def train_all(bin_dir, work, epochs):
     for arch, save_dir, process in runs:
         log_path = os.path.join(save_dir, "train.log")
         if process is not None and process.wait() != 0:
-            sys.exit(f"fairseq-train {arch} failed ({process.returncode}), see {log_path}:\n"
-                     + open(log_path).read()[-3000:])
+            sys.exit(
+                f"fairseq-train {arch} failed ({process.returncode}), see {log_path}:\n"
+                + open(log_path).read()[-3000:]
+            )
         results.append((os.path.join(save_dir, "checkpoint_best.pt"), open(log_path).read()))
     print(f"| trained {len(MODELS)} models side by side in {time.time() - start:.0f} s")
     return results
@@ -149,11 +231,32 @@ def words_per_second(train_log):
 
 def bleu(bin_dir, checkpoint, extra, out_path):
     if not os.path.exists(out_path):
-        run([os.path.join(BIN, "fairseq-generate"), bin_dir, *extra, "--path", checkpoint,
-             "--gen-subset", "test", "--beam", "5", "--batch-size", "128",
-             "--max-len-a", "1.2", "--max-len-b", "10",
-             "--remove-bpe", "sentencepiece", "--scoring", "sacrebleu", "--num-workers", "0"],
-            log_path=out_path)
+        run(
+            [
+                os.path.join(BIN, "fairseq-generate"),
+                bin_dir,
+                *extra,
+                "--path",
+                checkpoint,
+                "--gen-subset",
+                "test",
+                "--beam",
+                "5",
+                "--batch-size",
+                "128",
+                "--max-len-a",
+                "1.2",
+                "--max-len-b",
+                "10",
+                "--remove-bpe",
+                "sentencepiece",
+                "--scoring",
+                "sacrebleu",
+                "--num-workers",
+                "0",
+            ],
+            log_path=out_path,
+        )
     match = re.search(r"BLEU = ([\d.]+)", open(out_path).read())
     return float(match.group(1)) if match else float("nan")
 
@@ -164,7 +267,8 @@ def encoder_attention_parameters(checkpoint):
 
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"]
     return sum(
-        v.numel() for k, v in state.items()
+        v.numel()
+        for k, v in state.items()
         if k.startswith("encoder.layers.") and ".self_attn." in k and k.endswith("weight")
     )
 
@@ -172,11 +276,19 @@ def encoder_attention_parameters(checkpoint):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "demo_runs"))
-    parser.add_argument("--epochs", type=int, default=int(os.environ.get("DEMO_EPOCHS", 18)),
-                        help="training epochs per model (env DEMO_EPOCHS); more trains longer")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=int(os.environ.get("DEMO_EPOCHS", 16)),
+        help="training epochs per model (env DEMO_EPOCHS); more trains longer",
+    )
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--max-train", type=int, default=None,
-                        help="train on this many pairs only (quick smoke runs; use a new --work-dir)")
+    parser.add_argument(
+        "--max-train",
+        type=int,
+        default=None,
+        help="train on this many pairs only (quick smoke runs; use a new --work-dir)",
+    )
     args = parser.parse_args()
 
     work = os.path.abspath(args.work_dir)
@@ -185,27 +297,35 @@ def main():
     bin_dir = prepare_data(data_dir, args.vocab_size, args.max_train)
 
     rows = []
-    for (label, arch, extra), (checkpoint, log) in zip(MODELS, train_all(bin_dir, work, args.epochs)):
+    for (label, arch, extra), (checkpoint, log) in zip(
+        MODELS, train_all(bin_dir, work, args.epochs)
+    ):
         generated = os.path.join(os.path.dirname(checkpoint), "generate-test.txt")
-        rows.append({
-            "model": label,
-            "encoder_attention_params": encoder_attention_parameters(checkpoint),
-            "bleu": bleu(bin_dir, checkpoint, extra, generated),
-            "train_words_per_s": words_per_second(log),
-        })
+        rows.append(
+            {
+                "model": label,
+                "encoder_attention_params": encoder_attention_parameters(checkpoint),
+                "bleu": bleu(bin_dir, checkpoint, extra, generated),
+                "train_words_per_s": words_per_second(log),
+            }
+        )
 
     header = "| model | encoder attention params | BLEU (test) | train words/s |"
     lines = [header, "|---|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['encoder_attention_params'] / 1e6:.3f}M | "
-                     f"{r['bleu']:.2f} | {r['train_words_per_s']:.0f} |")
+        lines.append(
+            f"| {r['model']} | {r['encoder_attention_params'] / 1e6:.3f}M | "
+            f"{r['bleu']:.2f} | {r['train_words_per_s']:.0f} |"
+        )
     table = "\n".join(lines)
     with open(os.path.join(work, "results.md"), "w") as f:
         f.write(f"Ding de-en test (1000 sentences), {args.epochs} epochs per model\n\n{table}\n")
     with open(os.path.join(work, "results.json"), "w") as f:
         json.dump({"epochs": args.epochs, "rows": rows}, f, indent=2)
-    print(f"\nDing de-en, test split (1000 sentences), {args.epochs} epochs per model, "
-          f"{(time.time() - started) / 60:.1f} min\n")
+    print(
+        f"\nDing de-en, test split (1000 sentences), {args.epochs} epochs per model, "
+        f"{(time.time() - started) / 60:.1f} min\n"
+    )
     print(table)
 
 

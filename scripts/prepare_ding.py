@@ -9,6 +9,7 @@ Duplicates are removed and a seeded split writes ``{train,valid,test}.{de,en}``.
 
 The dictionary is GPL-licensed: it is read from the system at run time and never shipped.
 """
+
 import argparse
 import os
 import random
@@ -92,7 +93,10 @@ def main(argv=None):
     parser.add_argument("--min-words", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
-        "--max-train", type=int, default=None, help="keep only this many training pairs (smoke runs)"
+        "--max-train",
+        type=int,
+        default=None,
+        help="keep only this many training pairs (smoke runs)",
     )
     args = parser.parse_args(argv)
 

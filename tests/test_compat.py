@@ -1,4 +1,5 @@
 """Each shim of local_attn_fairseq.compat, with the failure it prevents shown first."""
+
 import pickle
 import sys
 
@@ -38,8 +39,9 @@ def test_fairseq_audio_conversion_uses_the_sox_replacement():
 
     t = np.arange(16000) / 16000
     stereo = np.stack([0.2 * np.sin(2 * np.pi * 440 * t), 0.1 * np.sin(2 * np.pi * 440 * t)])
-    out, rate = convert_waveform(stereo.astype(np.float32), 16000, normalize_volume=True,
-                                 to_mono=True, to_sample_rate=8000)
+    out, rate = convert_waveform(
+        stereo.astype(np.float32), 16000, normalize_volume=True, to_mono=True, to_sample_rate=8000
+    )
     assert rate == 8000 and out.shape == (1, 8000)
     assert abs(np.abs(out).max() - 0.15 / 0.2) < 0.02  # peak-normalised, then averaged
 

@@ -17,6 +17,7 @@ The paper's text defines prev-k by ``j - i = k`` but also as the identity shifte
 motivates prev masks with a period attending to the tokens before it; we follow the motivation:
 ``prev-k`` looks back, ``next-k`` looks ahead.
 """
+
 import re
 from typing import NamedTuple, Optional, Sequence
 

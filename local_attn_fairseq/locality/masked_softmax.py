@@ -1,4 +1,5 @@
 """Softmax over keys that gives zeros, not NaN, for a query whose every key is masked."""
+
 import torch
 
 

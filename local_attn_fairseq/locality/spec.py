@@ -7,11 +7,18 @@ A spec is data (a YAML/JSON mapping, a preset name, or a file) of this shape::
       all:                        # layer selector: N, "A-B", "A,B,C" or "all"
         [identity, identity@0, prev-1@0, prev-2@0, next-1@0, next-2@0, band-1@0, band-2@0]
 
-Each head is ``MASK`` or ``MASK@OWNER``: the mask is one of ``fixed_masks`` and the owner is the
-head whose Wq/Wk it uses instead of its own, ``H`` (head H of the same layer) or ``L.H`` (head H of
-layer L of the same attention type). Layers a spec does not name have global heads with their own
-Wq/Wk, i.e. the plain Transformer.
+Each head is ``MASK``, ``MASK+gaussian`` or ``gaussian``, optionally followed by ``@OWNER``: the
+mask is one of ``fixed_masks``; ``gaussian`` adds Yang et al.'s learned localness bias (settings
+under ``localness``); the owner is the head whose Wq/Wk it uses instead of its own, ``H`` (head H
+of the same layer) or ``L.H`` (head H of layer L of the same attention type). Layers a spec does
+not name have global heads with their own Wq/Wk, i.e. the plain Transformer.
+
+Layer-wide mechanisms sit beside the attention types::
+
+    localness: {window: query, layers: {encoder_self: 0-2}}   # Yang et al. 2018
+    relative_positions: {max_distance: 16, values: false, attention: [encoder_self]}  # Shaw
 """
+
 import json
 import os
 from dataclasses import dataclass
@@ -20,12 +27,23 @@ from typing import Dict, Mapping, Optional, Tuple
 import yaml
 
 from .fixed_masks import MaskBounds, parse_mask
+from .gaussian import WINDOW_STRATEGIES
 
 ATTENTION_TYPES = ("encoder_self", "decoder_self", "decoder_cross")
+SELF_ATTENTION_TYPES = ("encoder_self", "decoder_self")
 _META_KEYS = ("name", "description")
+# layers: {attention type: layer selector} whose every head gets the Gaussian bias
+LOCALNESS_DEFAULTS = {"window": "query", "fixed_window": 10.0, "max_window": 50.0, "layers": {}}
+RELATIVE_POSITION_DEFAULTS = {
+    "max_distance": None,
+    "values": False,
+    "attention": ["encoder_self", "decoder_self"],
+}
 PRESET_DIR_CANDIDATES = (
     os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "locality"),  # installed
-    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs", "locality"),
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs", "locality"
+    ),
 )
 
 
@@ -38,10 +56,21 @@ class HeadSpec:
     mask: str = "global"
     # (layer, head) whose Wq/Wk this head uses; None: the head owns its Wq/Wk.
     qk_owner: Optional[Tuple[int, int]] = None
+    gaussian: bool = False  # Yang et al.'s localness bias on this head's logits
 
     @property
     def bounds(self) -> MaskBounds:
         return parse_mask(self.mask)
+
+    @property
+    def token(self) -> str:
+        """The head written back in spec syntax, with its owner resolved."""
+        text = "gaussian" if self.gaussian and self.mask == "global" else self.mask
+        if self.gaussian and self.mask != "global":
+            text += "+gaussian"
+        if self.qk_owner:
+            text += f"@{self.qk_owner[0]}.{self.qk_owner[1]}"
+        return text
 
 
 def preset_dir() -> Optional[str]:
@@ -94,9 +123,11 @@ def _read_yaml(path):
 def _canonical(config):
     """Layer selectors as strings (YAML reads ``0:`` as an int), so the spec round-trips JSON."""
     return {
-        key: {str(sel): heads for sel, heads in value.items()}
-        if key in ATTENTION_TYPES and isinstance(value, Mapping)
-        else value
+        key: (
+            {str(sel): heads for sel, heads in value.items()}
+            if key in ATTENTION_TYPES and isinstance(value, Mapping)
+            else value
+        )
         for key, value in config.items()
     }
 
@@ -130,13 +161,19 @@ def _layer_indices(selector, num_layers, where):
 def _parse_head(token, layer, where):
     if not isinstance(token, str):
         raise LocalitySpecError(f"{where}: head entry {token!r} is not a string")
-    mask, _, owner = token.strip().partition("@")
+    mechanisms, _, owner = token.strip().partition("@")
+    parts = mechanisms.split("+")
+    gaussian = "gaussian" in parts
+    masks = [p for p in parts if p != "gaussian"]
+    if len(masks) > 1 or parts.count("gaussian") > 1:
+        raise LocalitySpecError(f"{where}: {token!r} combines more than one mask")
+    mask = masks[0] if masks else "global"
     try:
         parse_mask(mask)
     except ValueError as e:
         raise LocalitySpecError(f"{where}: {e}") from None
     if not owner:
-        return HeadSpec(mask, None)
+        return HeadSpec(mask, None, gaussian)
     try:
         if "." in owner:
             owner_layer, owner_head = (int(x) for x in owner.split("."))
@@ -146,7 +183,7 @@ def _parse_head(token, layer, where):
         raise LocalitySpecError(
             f"{where}: owner {owner!r} in {token!r} is not H or L.H (head, or layer.head)"
         ) from None
-    return HeadSpec(mask, (owner_layer, owner_head))
+    return HeadSpec(mask, (owner_layer, owner_head), gaussian)
 
 
 class LocalitySpec:
@@ -158,18 +195,82 @@ class LocalitySpec:
         self.num_layers = dict(num_layers)
         self.num_heads = dict(num_heads)
         self._layers: Dict[str, Dict[int, Tuple[HeadSpec, ...]]] = {}
-        unknown = set(self.config) - set(ATTENTION_TYPES) - set(_META_KEYS)
+        layer_wide = ("localness", "relative_positions")
+        unknown = set(self.config) - set(ATTENTION_TYPES) - set(_META_KEYS) - set(layer_wide)
         if unknown:
             raise LocalitySpecError(
                 f"locality config: unknown key(s) {sorted(unknown)}; expected "
-                f"{', '.join(ATTENTION_TYPES)} (and optionally name, description)"
+                f"{', '.join(ATTENTION_TYPES + layer_wide)} (and optionally name, description)"
             )
+        self.localness = self._settings("localness", LOCALNESS_DEFAULTS)
+        if self.localness["window"] not in WINDOW_STRATEGIES:
+            raise LocalitySpecError(
+                f"localness: unknown window strategy {self.localness['window']!r}; expected "
+                f"one of {', '.join(WINDOW_STRATEGIES)}"
+            )
+        for key in ("fixed_window", "max_window"):
+            value = self.localness[key]
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise LocalitySpecError(
+                    f"localness: {key} must be a positive number, got {value!r}"
+                )
+        self.relative_positions = self._settings("relative_positions", RELATIVE_POSITION_DEFAULTS)
+        self._check_relative_positions()
         for attn_type in ATTENTION_TYPES:
             self._layers[attn_type] = self._parse_type(attn_type, self.config.get(attn_type) or {})
         for attn_type in ATTENTION_TYPES:
             self._resolve_owners(attn_type)
+        self._add_gaussian_layers()
 
     # -- parsing and validation -------------------------------------------------------------
+    def _settings(self, key, defaults):
+        given = self.config.get(key) or {}
+        if not isinstance(given, Mapping):
+            raise LocalitySpecError(f"locality config: {key} must be a mapping")
+        unknown = set(given) - set(defaults)
+        if unknown:
+            raise LocalitySpecError(
+                f"{key}: unknown setting(s) {sorted(unknown)}; expected {', '.join(defaults)}"
+            )
+        return {**defaults, **given}
+
+    def _add_gaussian_layers(self):
+        """``localness.layers`` gives every head of the named layers the Gaussian bias."""
+        layers = self.localness["layers"]
+        if not isinstance(layers, Mapping):
+            raise LocalitySpecError("localness: layers must map attention types to layer selectors")
+        for attn_type, selector in layers.items():
+            if attn_type not in ATTENTION_TYPES:
+                raise LocalitySpecError(
+                    f"localness: unknown attention type {attn_type!r} in layers; expected "
+                    f"{', '.join(ATTENTION_TYPES)}"
+                )
+            if attn_type not in self.num_layers:
+                raise LocalitySpecError(f"localness: this model has no {attn_type} attention")
+            where = f"localness layers {attn_type}"
+            for layer in _layer_indices(selector, self.num_layers[attn_type], where):
+                self._layers[attn_type][layer] = tuple(
+                    HeadSpec(h.mask, h.qk_owner, True) for h in self.heads(attn_type, layer)
+                )
+
+    def _check_relative_positions(self):
+        rel = self.relative_positions
+        k = rel["max_distance"]
+        if k is None:
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise LocalitySpecError(
+                f"relative_positions: max_distance must be an integer >= 1, got {k!r}"
+            )
+        if isinstance(rel["attention"], str):
+            rel["attention"] = [a.strip() for a in rel["attention"].split(",")]
+        for attn_type in rel["attention"]:
+            if attn_type not in SELF_ATTENTION_TYPES:
+                raise LocalitySpecError(
+                    f"relative_positions: {attn_type!r} is not a self-attention type "
+                    f"({', '.join(SELF_ATTENTION_TYPES)})"
+                )
+
     def _parse_type(self, attn_type, layers_cfg):
         if not isinstance(layers_cfg, Mapping):
             raise LocalitySpecError(
@@ -252,7 +353,9 @@ class LocalitySpec:
             new_heads = []
             for h, spec in enumerate(heads):
                 owner = owner_of(layer, h)
-                new_heads.append(HeadSpec(spec.mask, None if owner == (layer, h) else owner))
+                new_heads.append(
+                    HeadSpec(spec.mask, None if owner == (layer, h) else owner, spec.gaussian)
+                )
             resolved[layer] = tuple(new_heads)
         self._layers[attn_type] = resolved
 
@@ -267,6 +370,13 @@ class LocalitySpec:
     def is_local(self, attn_type: str) -> bool:
         return bool(self._layers.get(attn_type))
 
+    def relative_max_distance(self, attn_type: str) -> Optional[int]:
+        """Shaw et al.'s clipping distance for this attention type, or None without them."""
+        rel = self.relative_positions
+        if rel["max_distance"] is None or attn_type not in rel["attention"]:
+            return None
+        return rel["max_distance"]
+
     def to_json(self) -> str:
         """The canonical form stored in checkpoints: rebuilding from it gives the same spec."""
         return json.dumps(self.config, sort_keys=True)
@@ -275,9 +385,6 @@ class LocalitySpec:
         lines = [f"locality spec {self.name or '(unnamed)'}"]
         for attn_type in ATTENTION_TYPES:
             for layer in sorted(self._layers.get(attn_type, {})):
-                heads = " ".join(
-                    h.mask + (f"@{h.qk_owner[0]}.{h.qk_owner[1]}" if h.qk_owner else "")
-                    for h in self._layers[attn_type][layer]
-                )
+                heads = " ".join(h.token for h in self._layers[attn_type][layer])
                 lines.append(f"  {attn_type} layer {layer}: {heads}")
         return "\n".join(lines)

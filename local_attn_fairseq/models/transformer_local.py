@@ -5,6 +5,7 @@ inline YAML mapping. The spec is validated against the model's layer and head co
 parameter is built, and its canonical JSON replaces the option's value in the saved arguments,
 so a checkpoint describes itself and fairseq-generate rebuilds the same model without the file.
 """
+
 import logging
 
 from fairseq import checkpoint_utils
@@ -12,7 +13,8 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 from fairseq.models.transformer.transformer_legacy import transformer_iwslt_de_en
 
-from ..locality.spec import LocalitySpec, LocalitySpecError, preset_names
+from ..locality.gaussian import WINDOW_STRATEGIES
+from ..locality.spec import LocalitySpec, LocalitySpecError, load_spec_config, preset_names
 from ..modules.transformer_layers import LocalTransformerDecoder, LocalTransformerEncoder
 
 logger = logging.getLogger(__name__)
@@ -20,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 def locality_spec_from_cfg(cfg) -> LocalitySpec:
     """Build and validate the spec named by ``cfg.locality_config`` for this model's shape."""
+
     def dim(flat, nested_group, nested_key):
         if hasattr(cfg, flat):
             return getattr(cfg, flat)
@@ -36,9 +39,52 @@ def locality_spec_from_cfg(cfg) -> LocalitySpec:
         "decoder_cross": dim("decoder_attention_heads", "decoder", "attention_heads"),
     }
     try:
-        return LocalitySpec(getattr(cfg, "locality_config", None), num_layers, num_heads)
+        config = load_spec_config(getattr(cfg, "locality_config", None))
+        return LocalitySpec(with_command_line_settings(config, cfg), num_layers, num_heads)
     except LocalitySpecError as e:
-        raise LocalitySpecError(f"--locality-config: {e}") from None
+        raise LocalitySpecError(
+            f"invalid locality spec (--locality-config, --localness-*, --relative-positions*): {e}"
+        ) from None
+
+
+def with_command_line_settings(config: dict, cfg) -> dict:
+    """The spec with the --localness-* and --relative-positions* options written into it.
+
+    Setting a key to the same value twice changes nothing, so rebuilding a model from a
+    checkpoint (whose stored spec already holds these settings) gives the same spec.
+    """
+    config = dict(config)
+    localness = dict(config.get("localness") or {})
+    for option, key in (
+        ("localness_window", "window"),
+        ("localness_fixed_window", "fixed_window"),
+        ("localness_max_window", "max_window"),
+    ):
+        if getattr(cfg, option, None) is not None:
+            localness[key] = getattr(cfg, option)
+    if getattr(cfg, "localness_layers", None):
+        layers = dict(localness.get("layers") or {})
+        for entry in cfg.localness_layers.split():
+            attn_type, sep, selector = entry.partition(":")
+            if not sep:
+                raise LocalitySpecError(
+                    f"--localness-layers entry {entry!r} is not ATTENTION_TYPE:LAYERS "
+                    "(e.g. encoder_self:0-2)"
+                )
+            layers[attn_type] = selector
+        localness["layers"] = layers
+    if localness:
+        config["localness"] = localness
+    rel = dict(config.get("relative_positions") or {})
+    if getattr(cfg, "relative_positions", None) is not None:
+        rel["max_distance"] = cfg.relative_positions
+    if getattr(cfg, "relative_positions_values", False):
+        rel["values"] = True
+    if getattr(cfg, "relative_positions_attention", None):
+        rel["attention"] = cfg.relative_positions_attention.split(",")
+    if rel:
+        config["relative_positions"] = rel
+    return config
 
 
 @register_model("transformer_local")
@@ -58,7 +104,49 @@ class LocalTransformerModel(TransformerModel):
             help="locality spec: a preset ("
             + ", ".join(preset_names())
             + "), a YAML file, or an inline YAML mapping such as "
-            "\"{encoder_self: {all: [band-1, band-2, global, ...]}}\"",
+            '"{encoder_self: {all: [band-1, band-2, global, ...]}}"',
+        )
+        parser.add_argument(
+            "--localness-layers",
+            type=str,
+            metavar="TYPE:LAYERS ...",
+            help="give every head of these layers Yang et al.'s Gaussian localness bias, e.g. "
+            "'encoder_self:0-2 decoder_cross:all' (types: encoder_self, decoder_self, decoder_cross)",
+        )
+        parser.add_argument(
+            "--localness-window",
+            choices=WINDOW_STRATEGIES,
+            help="how Gaussian heads choose their window (Yang et al. Sec. 3.3; default query)",
+        )
+        parser.add_argument(
+            "--localness-fixed-window",
+            type=float,
+            metavar="D",
+            help="window of the 'fixed' strategy (default 10)",
+        )
+        parser.add_argument(
+            "--localness-max-window",
+            type=float,
+            metavar="N",
+            help="largest window of the 'head' strategy, D = N sigmoid(z) (default 50)",
+        )
+        parser.add_argument(
+            "--relative-positions",
+            type=int,
+            metavar="K",
+            help="Shaw et al. relative position representations clipped at distance K",
+        )
+        parser.add_argument(
+            "--relative-positions-values",
+            action="store_true",
+            help="also add relative position representations to the values",
+        )
+        parser.add_argument(
+            "--relative-positions-attention",
+            type=str,
+            metavar="TYPES",
+            help="comma-separated self-attention types with relative positions "
+            "(default encoder_self,decoder_self)",
         )
         parser.add_argument(
             "--load-pretrained-encoder-from",
@@ -153,6 +241,28 @@ def transformer_local_iwslt_de_en(args):
 def transformer_local_tied_iwslt_de_en(args):
     _default_locality(args, "1loc7tied-all6")
     transformer_local_iwslt_de_en(args)
+
+
+@register_model_architecture("transformer_local", "transformer_localness")
+def transformer_localness(args):
+    """Yang et al.'s default: query-specific windows in encoder layers 1-3 (0-2 here)."""
+    if not getattr(args, "localness_layers", None):
+        args.localness_layers = "encoder_self:0-2"
+    transformer_local_base(args)
+
+
+@register_model_architecture("transformer_local", "transformer_localness_big")
+def transformer_localness_big(args):
+    from fairseq.models.transformer.transformer_legacy import transformer_vaswani_wmt_en_de_big
+
+    transformer_vaswani_wmt_en_de_big(args)
+    transformer_localness(args)
+
+
+@register_model_architecture("transformer_local", "transformer_localness_tiny")
+def transformer_localness_tiny(args):
+    tiny_dims(args)
+    transformer_localness(args)
 
 
 @register_model_architecture("transformer_local", "transformer_local_tied_big")

@@ -4,12 +4,13 @@ This is the one place where mechanisms are composed, always in this order (see D
 
 1. project q, k, v; heads may use the Wq/Wk of another head, of this layer or of another layer
    (tying: the parameters exist once, in the owning layer);
-2. logits = q k^T / sqrt(d);
+2. logits = q k^T / sqrt(d), plus the additive terms: relative positions (Shaw et al.) and the
+   Gaussian localness bias (Yang et al.);
 3. causal and key-padding masks (a query with no allowed key gets zeros, never NaN);
 4. softmax;
 5. post-softmax fixed binary head masks (Pande et al.: weights keep the values of the softmax
    over all keys, so they need not sum to one);
-6. attention dropout, times v;
+6. attention dropout, times v (plus the relative position values);
 7. output projection.
 
 Heads that share Wq/Wk within a layer compute their logits and softmax once; the distinct
@@ -21,6 +22,7 @@ The call signature, incremental state and returned weights follow
 ``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
 generator and alignment code use it unchanged.
 """
+
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -32,8 +34,10 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
 from ..locality.fixed_masks import offset_mask
+from ..locality.gaussian import GaussianLocalness
 from ..locality.masked_softmax import safe_softmax
-from ..locality.spec import HeadSpec
+from ..locality.relative_position import RelativePositions
+from ..locality.spec import LOCALNESS_DEFAULTS, HeadSpec
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
@@ -52,6 +56,10 @@ class LocalMultiheadAttention(nn.Module):
         encoder_decoder_attention: bool = False,
         head_specs: Optional[Sequence[HeadSpec]] = None,
         layer_index: int = 0,
+        causal: bool = False,
+        localness: Optional[dict] = None,
+        relative_max_distance: Optional[int] = None,
+        relative_values: bool = False,
     ):
         super().__init__()
         if embed_dim % num_heads != 0:
@@ -66,6 +74,7 @@ class LocalMultiheadAttention(nn.Module):
         self.encoder_decoder_attention = encoder_decoder_attention
         self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
         self.layer_index = layer_index
+        self.causal = causal  # decoder self-attention: what each query sees grows with it
 
         self.head_specs = tuple(head_specs) if head_specs else (HeadSpec(),) * num_heads
         if len(self.head_specs) != num_heads:
@@ -93,6 +102,30 @@ class LocalMultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, qk_out, bias=bias) if qk_out else None
         self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+        self.gaussian_heads = [h for h, s in enumerate(self.head_specs) if s.gaussian]
+        self.localness = None
+        if self.gaussian_heads:
+            settings = {**LOCALNESS_DEFAULTS, **(localness or {})}
+            qk_width = self.num_qk_groups * self.head_dim
+            self.localness = GaussianLocalness(
+                qk_width,
+                qk_width,
+                len(self.gaussian_heads),
+                settings["window"],
+                settings["fixed_window"],
+                settings["max_window"],
+            )
+            self.register_buffer(
+                "gaussian_head_index", torch.tensor(self.gaussian_heads), persistent=False
+            )
+        self.record_localness = False  # analysis: keep the last centres and windows
+        self.last_localness: Optional[Tuple[Tensor, Tensor]] = None
+        self.relative_positions = (
+            RelativePositions(self.head_dim, relative_max_distance, relative_values)
+            if relative_max_distance
+            else None
+        )
         # Modules holding the Wq/Wk of other layers; kept out of _modules so that a tied
         # parameter is registered (and saved, counted, averaged) exactly once.
         self._qk_owner_modules: Dict[int, "LocalMultiheadAttention"] = {}
@@ -201,36 +234,70 @@ class LocalMultiheadAttention(nn.Module):
             out = self._fused_attention(q, k, v, key_padding_mask, attn_mask)
             return self._merge_heads(out, tgt_len, bsz), None
 
-        logits = torch.matmul(q * self.scaling, k.transpose(-1, -2))  # (bsz, groups, tgt, src)
+        scaled_q = q * self.scaling
+        logits = torch.matmul(scaled_q, k.transpose(-1, -2))  # (bsz, groups, tgt, src)
+        rel_index = None
+        if self.relative_positions is not None:
+            rel_index = self.relative_positions.index(tgt_len, src_len, q.device)
+            logits = logits + self.relative_positions.key_logits(scaled_q, rel_index)
+        if self.localness is not None:
+            logits = self._add_localness(self._expand_groups(logits).float(), q, k, key_padding_mask)
         if attn_mask is not None:
             logits = logits + attn_mask.to(logits.dtype).unsqueeze(0).unsqueeze(0)
+        no_key = None  # sentences without a single real key
         if key_padding_mask is not None:
-            logits = logits.masked_fill(
-                key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf")
-            )
+            padding = key_padding_mask.to(torch.bool)
+            no_key = padding.all(dim=-1)
+            # Leave their rows unmasked (finite), and zero what they produce further down.
+            padding = padding & ~no_key[:, None]
+            logits = logits.masked_fill(padding[:, None, None, :], float("-inf"))
         if before_softmax:
             return self._expand_groups(logits), v
 
-        probs = safe_softmax(logits, dim=-1)
+        if attn_mask is not None and not self.causal:
+            probs = safe_softmax(logits, dim=-1)  # an arbitrary mask may leave a row empty
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         probs = self._expand_groups(probs)
         if self.has_head_masks:
             probs = probs * offset_mask(self.mask_bounds, tgt_len, src_len, probs.device)
         weights = probs
         probs = self.dropout_module(probs.to(v.dtype))
         out = torch.matmul(probs, v)  # (bsz, heads, tgt, head_dim)
+        if rel_index is not None:
+            value_term = self.relative_positions.value_term(probs, rel_index)
+            if value_term is not None:
+                out = out + value_term
+        if no_key is not None:
+            out = out.masked_fill(no_key[:, None, None, None], 0.0)
         out = self._merge_heads(out, tgt_len, bsz)
 
         attn_weights = None
         if need_weights:
+            if no_key is not None:
+                weights = weights.masked_fill(no_key[:, None, None, None], 0.0)
             attn_weights = weights.to(query.dtype).transpose(0, 1)  # (heads, bsz, tgt, src)
             if not need_head_weights:
                 attn_weights = attn_weights.mean(dim=0)
         return out, attn_weights
 
-    def _can_use_fused(self, need_weights, before_softmax):
-        return not (need_weights or before_softmax or self.has_head_masks) and (
-            self.groups_are_heads
+    def _add_localness(self, logits, q, k, key_padding_mask):
+        """Add the Gaussian bias to the logits (bsz, heads, tgt, src) of the Gaussian heads."""
+        flat_q = q.transpose(1, 2).flatten(2)  # (bsz, tgt, groups * head_dim): the full query
+        flat_k = k.transpose(1, 2).flatten(2)
+        every_head = len(self.gaussian_heads) == self.num_heads
+        result, centre, window = self.localness(
+            flat_q, flat_k, key_padding_mask, self.causal, logits if every_head else None
         )
+        if self.record_localness:
+            self.last_localness = (centre.detach(), window.detach())
+        return result if every_head else logits.index_add(1, self.gaussian_head_index, result)
+
+    def _can_use_fused(self, need_weights, before_softmax):
+        plain_heads = not (
+            self.has_head_masks or self.localness is not None or self.relative_positions is not None
+        )
+        return plain_heads and self.groups_are_heads and not (need_weights or before_softmax)
 
     def _fused_attention(self, q, k, v, key_padding_mask, attn_mask):
         mask = None
@@ -306,8 +373,5 @@ class LocalMultiheadAttention(nn.Module):
         return self.set_incremental_state(incremental_state, "attn_state", buffer)
 
     def extra_repr(self):
-        masks = " ".join(
-            s.mask + (f"@{s.qk_owner[0]}.{s.qk_owner[1]}" if s.qk_owner else "")
-            for s in self.head_specs
-        )
-        return f"layer={self.layer_index}, heads=[{masks}]"
+        heads = " ".join(s.token for s in self.head_specs)
+        return f"layer={self.layer_index}, heads=[{heads}]"

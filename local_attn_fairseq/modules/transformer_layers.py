@@ -3,6 +3,7 @@
 The layers change nothing but which attention module they build; the stacks tell each layer its
 index and its heads' locality, then bind the Wq/Wk that heads borrow across layers.
 """
+
 from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase
 from fairseq.modules.transformer_layer import (
     TransformerDecoderLayerBase,
@@ -13,9 +14,23 @@ from ..locality.spec import LocalitySpec
 from .local_multihead_attention import LocalMultiheadAttention
 
 
-def _reject_quant_noise(cfg):
+def local_attention(cfg, locality: LocalitySpec, attn_type: str, layer_index: int, **kwargs):
+    """The attention module of one layer, configured by what the spec says of it."""
     if cfg.quant_noise.pq > 0:
         raise ValueError("--quant-noise-pq is not supported with local attention layers")
+    group = cfg.encoder if attn_type == "encoder_self" else cfg.decoder
+    return LocalMultiheadAttention(
+        group.embed_dim,
+        group.attention_heads,
+        dropout=cfg.attention_dropout,
+        head_specs=locality.heads(attn_type, layer_index),
+        layer_index=layer_index,
+        causal=attn_type == "decoder_self",
+        localness=locality.localness,
+        relative_max_distance=locality.relative_max_distance(attn_type),
+        relative_values=bool(locality.relative_positions["values"]),
+        **kwargs,
+    )
 
 
 class LocalTransformerEncoderLayer(TransformerEncoderLayerBase):
@@ -24,14 +39,8 @@ class LocalTransformerEncoderLayer(TransformerEncoderLayerBase):
         super().__init__(cfg, return_fc=return_fc)
 
     def build_self_attention(self, embed_dim, cfg):
-        _reject_quant_noise(cfg)
-        return LocalMultiheadAttention(
-            embed_dim,
-            cfg.encoder.attention_heads,
-            dropout=cfg.attention_dropout,
-            self_attention=True,
-            head_specs=self.locality.heads("encoder_self", self.layer_index),
-            layer_index=self.layer_index,
+        return local_attention(
+            cfg, self.locality, "encoder_self", self.layer_index, self_attention=True
         )
 
 
@@ -43,34 +52,33 @@ class LocalTransformerDecoderLayer(TransformerDecoderLayerBase):
         super().__init__(cfg, no_encoder_attn=no_encoder_attn, **kwargs)
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        _reject_quant_noise(cfg)
         if add_bias_kv or add_zero_attn:
             raise ValueError("add_bias_kv / add_zero_attn are not supported with local attention")
-        if cfg.cross_self_attention and self.locality.is_local("decoder_self"):
+        positional = self.locality.is_local("decoder_self") or self.locality.relative_max_distance(
+            "decoder_self"
+        )
+        if cfg.cross_self_attention and positional:
             raise ValueError(
-                "--cross-self-attention prepends the source to the decoder keys, so decoder "
-                "self-attention masks would be misaligned; use one or the other"
+                "--cross-self-attention prepends the source to the decoder keys, so positional "
+                "decoder self-attention mechanisms would be misaligned; use one or the other"
             )
-        return LocalMultiheadAttention(
-            embed_dim,
-            cfg.decoder.attention_heads,
-            dropout=cfg.attention_dropout,
+        return local_attention(
+            cfg,
+            self.locality,
+            "decoder_self",
+            self.layer_index,
             self_attention=not cfg.cross_self_attention,
-            head_specs=self.locality.heads("decoder_self", self.layer_index),
-            layer_index=self.layer_index,
         )
 
     def build_encoder_attention(self, embed_dim, cfg):
-        _reject_quant_noise(cfg)
-        return LocalMultiheadAttention(
-            embed_dim,
-            cfg.decoder.attention_heads,
+        return local_attention(
+            cfg,
+            self.locality,
+            "decoder_cross",
+            self.layer_index,
             kdim=cfg.encoder.embed_dim,
             vdim=cfg.encoder.embed_dim,
-            dropout=cfg.attention_dropout,
             encoder_decoder_attention=True,
-            head_specs=self.locality.heads("decoder_cross", self.layer_index),
-            layer_index=self.layer_index,
         )
 
 

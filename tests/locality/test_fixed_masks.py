@@ -51,8 +51,13 @@ def test_incremental_query_is_the_newest_position():
 
 @pytest.mark.parametrize(
     "name,bounds",
-    [("global", MaskBounds(None, None)), ("identity", MaskBounds(0, 0)), ("band-3", MaskBounds(-3, 3)),
-     ("prev-2", MaskBounds(-2, -2)), ("next-1", MaskBounds(1, 1))],
+    [
+        ("global", MaskBounds(None, None)),
+        ("identity", MaskBounds(0, 0)),
+        ("band-3", MaskBounds(-3, 3)),
+        ("prev-2", MaskBounds(-2, -2)),
+        ("next-1", MaskBounds(1, 1)),
+    ],
 )
 def test_parse(name, bounds):
     assert parse_mask(name) == bounds
@@ -60,8 +65,14 @@ def test_parse(name, bounds):
 
 @pytest.mark.parametrize(
     "name,message",
-    [("band--1", "negative window"), ("prev--2", "negative window"), ("bnd-2", "unknown mask"),
-     ("band", "unknown mask"), ("band-x", "unknown mask"), ("", "unknown mask")],
+    [
+        ("band--1", "negative window"),
+        ("prev--2", "negative window"),
+        ("bnd-2", "unknown mask"),
+        ("band", "unknown mask"),
+        ("band-x", "unknown mask"),
+        ("", "unknown mask"),
+    ],
 )
 def test_parse_rejects(name, message):
     with pytest.raises(ValueError, match=message):

@@ -12,8 +12,17 @@ from local_attn_fairseq.locality.spec import (
 LAYERS = {"encoder_self": 6, "decoder_self": 6, "decoder_cross": 6}
 HEADS = {"encoder_self": 8, "decoder_self": 8, "decoder_cross": 8}
 PAPER_PRESETS = [
-    "2loc-all6", "4loc-all6", "8loc-first3", "8loc-last3", "8loc-all6", "4loc4tied-all6",
-    "2loc6tied-all6", "1loc7tied-all6", "1loc7tied-first3", "half-tied", "fully-tied",
+    "2loc-all6",
+    "4loc-all6",
+    "8loc-first3",
+    "8loc-last3",
+    "8loc-all6",
+    "4loc4tied-all6",
+    "2loc6tied-all6",
+    "1loc7tied-all6",
+    "1loc7tied-first3",
+    "half-tied",
+    "fully-tied",
 ]
 ALL7 = ["identity", "identity", "prev-1", "prev-2", "next-1", "next-2", "band-1", "band-2"]
 
@@ -63,17 +72,27 @@ def test_preset_layouts_follow_the_paper():
 
 
 def test_chains_of_ties_resolve_to_the_owner():
-    s = spec({"encoder_self": {"0": ["global", "band-1@0", "band-2@1"] + ["global"] * 5,
-                               "1": ["identity@0.2"] + ["global"] * 7}})
+    s = spec(
+        {
+            "encoder_self": {
+                "0": ["global", "band-1@0", "band-2@1"] + ["global"] * 5,
+                "1": ["identity@0.2"] + ["global"] * 7,
+            }
+        }
+    )
     assert owners(s, 0)[:3] == [None, (0, 0), (0, 0)]
     assert owners(s, 1)[0] == (0, 0)
 
 
 def test_inline_yaml_and_file_and_canonical_json(tmp_path):
-    inline = "{encoder_self: {0-1: [band-1, band-2, global, global, global, global, global, global]}}"
+    inline = (
+        "{encoder_self: {0-1: [band-1, band-2, global, global, global, global, global, global]}}"
+    )
     a = spec(inline)
     path = tmp_path / "mine.yaml"
-    path.write_text("encoder_self:\n  0-1: band-1 band-2 global global global global global global\n")
+    path.write_text(
+        "encoder_self:\n  0-1: band-1 band-2 global global global global global global\n"
+    )
     b = spec(str(path))
     c = spec(a.to_json())
     for s in (a, b, c):
@@ -82,8 +101,12 @@ def test_inline_yaml_and_file_and_canonical_json(tmp_path):
 
 
 def test_decoder_band_and_cross_tying_are_allowed():
-    s = spec({"decoder_self": {"all": ["band-2", "prev-1"] + ["global"] * 6},
-              "decoder_cross": {"all": ["global"] + ["global@0"] * 7}})
+    s = spec(
+        {
+            "decoder_self": {"all": ["band-2", "prev-1"] + ["global"] * 6},
+            "decoder_cross": {"all": ["global"] + ["global@0"] * 7},
+        }
+    )
     assert masks(s, 5, "decoder_self")[:2] == ["band-2", "prev-1"]
     assert owners(s, 5, "decoder_cross") == [None] + [(5, 0)] * 7
 
@@ -91,18 +114,30 @@ def test_decoder_band_and_cross_tying_are_allowed():
 @pytest.mark.parametrize(
     "config,message",
     [
-        ({"encoder_self": {"all": ["bnd-2"] + ["global"] * 7}}, r"layer 0 head 0: unknown mask 'bnd-2'"),
+        (
+            {"encoder_self": {"all": ["bnd-2"] + ["global"] * 7}},
+            r"layer 0 head 0: unknown mask 'bnd-2'",
+        ),
         ({"encoder_self": {"all": ["band--2"] + ["global"] * 7}}, "negative window"),
         ({"encoder_self": {"all": ["global"] * 6}}, "lists 6 heads but the model has 8"),
-        ({"encoder_self": {"all": ["band-1@9"] + ["global"] * 7}}, "ties to head 9, which does not exist"),
-        ({"encoder_self": {"1": ["band-1@7.0"] + ["global"] * 7}}, "ties to layer 7, which does not exist"),
+        (
+            {"encoder_self": {"all": ["band-1@9"] + ["global"] * 7}},
+            "ties to head 9, which does not exist",
+        ),
+        (
+            {"encoder_self": {"1": ["band-1@7.0"] + ["global"] * 7}},
+            "ties to layer 7, which does not exist",
+        ),
         ({"encoder_self": {"7": ["global"] * 8}}, "layer 7 does not exist; the model has 6 layers"),
         ({"encoder_self": {"0": ["global@1", "global@0"] + ["global"] * 6}}, "cycle"),
         ({"encoder_self": {"0": ["band-1@x"] + ["global"] * 7}}, "not H or L.H"),
         ({"encoder_self": {"0-2": ["global"] * 8, "2": ["global"] * 8}}, "given more than once"),
         ({"encoder_self": {"first": ["global"] * 8}}, "layer selector 'first'"),
         ({"decoder_self": {"0": ["next-1"] + ["global"] * 7}}, "future tokens"),
-        ({"decoder_cross": {"0": ["band-1"] + ["global"] * 7}}, "cross-attention heads can only be global"),
+        (
+            {"decoder_cross": {"0": ["band-1"] + ["global"] * 7}},
+            "cross-attention heads can only be global",
+        ),
         ({"encoder": {"0": ["global"] * 8}}, "unknown key"),
         ("no-such-preset", "neither a preset"),
     ],

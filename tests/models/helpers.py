@@ -1,4 +1,5 @@
 """Build plugin models through fairseq's own argument parsing, as fairseq-train does."""
+
 from fairseq import options, tasks
 
 from ..conftest import USER_DIR

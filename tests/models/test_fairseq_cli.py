@@ -1,4 +1,5 @@
 """The plugin through fairseq's own command-line tools: train, checkpoint, generate, interact."""
+
 import json
 
 import pytest
@@ -11,14 +12,43 @@ from .test_parameter_counts import PAPER_COUNTS
 
 # Small dims, but the 6 encoder layers and 8 heads the paper's presets are written for.
 TINY_MODEL = [
-    "--encoder-embed-dim", 32, "--encoder-ffn-embed-dim", 64, "--encoder-layers", 6,
-    "--encoder-attention-heads", 8, "--decoder-embed-dim", 32, "--decoder-ffn-embed-dim", 64,
-    "--decoder-layers", 2, "--decoder-attention-heads", 8, "--share-all-embeddings",
+    "--encoder-embed-dim",
+    32,
+    "--encoder-ffn-embed-dim",
+    64,
+    "--encoder-layers",
+    6,
+    "--encoder-attention-heads",
+    8,
+    "--decoder-embed-dim",
+    32,
+    "--decoder-ffn-embed-dim",
+    64,
+    "--decoder-layers",
+    2,
+    "--decoder-attention-heads",
+    8,
+    "--share-all-embeddings",
 ]
 TRAIN = [
-    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", 1000, "--num-workers", 0,
-    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", 0.1,
-    "--seed", 1, "--no-progress-bar", "--log-interval", 1, "--no-epoch-checkpoints",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "1e-3",
+    "--max-tokens",
+    1000,
+    "--num-workers",
+    0,
+    "--criterion",
+    "label_smoothed_cross_entropy",
+    "--label-smoothing",
+    0.1,
+    "--seed",
+    1,
+    "--no-progress-bar",
+    "--log-interval",
+    1,
+    "--no-epoch-checkpoints",
 ]
 DECODER_LOCAL = (
     "{decoder_self: {all: [band-1, prev-1, prev-2, identity, global, global, global, global]},"
@@ -28,16 +58,41 @@ DECODER_LOCAL = (
 
 def train(data, save_dir, *extra, max_update=2, arch="transformer_local"):
     return fairseq_cli(
-        "fairseq-train", data / "bin", "--user-dir", USER_DIR, "--arch", arch, *TINY_MODEL,
-        *TRAIN, "--max-update", max_update, "--save-dir", save_dir, *extra,
+        "fairseq-train",
+        data / "bin",
+        "--user-dir",
+        USER_DIR,
+        "--arch",
+        arch,
+        *TINY_MODEL,
+        *TRAIN,
+        "--max-update",
+        max_update,
+        "--save-dir",
+        save_dir,
+        *extra,
     )
 
 
 def generate(data, checkpoint, *extra):
     proc = fairseq_cli(
-        "fairseq-generate", data / "bin", "--user-dir", USER_DIR, "--path", checkpoint,
-        "--gen-subset", "test", "--beam", 2, "--max-len-b", 8, "--batch-size", 16,
-        "--num-workers", 0, *extra,
+        "fairseq-generate",
+        data / "bin",
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        checkpoint,
+        "--gen-subset",
+        "test",
+        "--beam",
+        2,
+        "--max-len-b",
+        8,
+        "--batch-size",
+        16,
+        "--num-workers",
+        0,
+        *extra,
     )
     hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
     assert len(hypotheses) == 40, proc.stdout[-2000:]
@@ -67,9 +122,21 @@ def test_checkpoint_describes_itself(tiny_data, tmp_path):
 def test_interactive_and_resume(tiny_data, tmp_path):
     train(tiny_data, tmp_path, arch="transformer_local_tied", max_update=2)
     proc = fairseq_cli(
-        "fairseq-interactive", tiny_data / "bin", "--user-dir", USER_DIR,
-        "--path", tmp_path / "checkpoint_last.pt", "--source-lang", "de", "--target-lang", "en",
-        "--beam", 2, "--max-len-b", 5, stdin="Das ist ein Haus .\nEr kommt heute .\n",
+        "fairseq-interactive",
+        tiny_data / "bin",
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        tmp_path / "checkpoint_last.pt",
+        "--source-lang",
+        "de",
+        "--target-lang",
+        "en",
+        "--beam",
+        2,
+        "--max-len-b",
+        5,
+        stdin="Das ist ein Haus .\nEr kommt heute .\n",
     )
     assert sum(line.startswith("H-") for line in proc.stdout.splitlines()) == 2
 
@@ -83,8 +150,13 @@ def test_load_pretrained_encoder(tiny_data, tmp_path):
     train(tiny_data, tmp_path, "--locality-config", "half-tied")
     source = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "checkpoint_last.pt"))["model"]
     model, _, args = build_model(
-        tiny_data / "bin", "transformer_local", *TINY_MODEL, "--locality-config", "half-tied",
-        "--load-pretrained-encoder-from", tmp_path / "checkpoint_last.pt",
+        tiny_data / "bin",
+        "transformer_local",
+        *TINY_MODEL,
+        "--locality-config",
+        "half-tied",
+        "--load-pretrained-encoder-from",
+        tmp_path / "checkpoint_last.pt",
     )
     for name, value in model.encoder.state_dict().items():
         torch.testing.assert_close(value, source["encoder." + name])
@@ -94,20 +166,41 @@ def test_load_pretrained_encoder(tiny_data, tmp_path):
 @pytest.mark.parametrize(
     "spec,message",
     [
-        ("{encoder_self: {all: [bnd-2, global, global, global, global, global, global, global]}}",
-         "unknown mask 'bnd-2'"),
-        ("{encoder_self: {all: [global, global, global, global]}}", "lists 4 heads but the model has 8"),
-        ("{encoder_self: {0: [band-1@12, global, global, global, global, global, global, global]}}",
-         "ties to head 12, which does not exist"),
-        ("{encoder_self: {0: [band--1, global, global, global, global, global, global, global]}}",
-         "negative window"),
+        (
+            "{encoder_self: {all: [bnd-2, global, global, global, global, global, global, global]}}",
+            "unknown mask 'bnd-2'",
+        ),
+        (
+            "{encoder_self: {all: [global, global, global, global]}}",
+            "lists 4 heads but the model has 8",
+        ),
+        (
+            "{encoder_self: {0: [band-1@12, global, global, global, global, global, global, global]}}",
+            "ties to head 12, which does not exist",
+        ),
+        (
+            "{encoder_self: {0: [band--1, global, global, global, global, global, global, global]}}",
+            "negative window",
+        ),
     ],
 )
 def test_wrong_spec_is_rejected_before_training(tiny_data, tmp_path, spec, message):
     proc = fairseq_cli(
-        "fairseq-train", tiny_data / "bin", "--user-dir", USER_DIR, "--arch", "transformer_local",
-        *TINY_MODEL, *TRAIN, "--max-update", 2, "--save-dir", tmp_path / "ckpt",
-        "--locality-config", spec, check=False,
+        "fairseq-train",
+        tiny_data / "bin",
+        "--user-dir",
+        USER_DIR,
+        "--arch",
+        "transformer_local",
+        *TINY_MODEL,
+        *TRAIN,
+        "--max-update",
+        2,
+        "--save-dir",
+        tmp_path / "ckpt",
+        "--locality-config",
+        spec,
+        check=False,
     )
     assert proc.returncode != 0
     assert "--locality-config" in proc.stderr and message in proc.stderr

@@ -17,8 +17,9 @@ def heads(masks, owners=None):
 
 def local_attention(masks=MASKS, owners=None, layer=0, **kw):
     torch.manual_seed(0)
-    attn = LocalMultiheadAttention(E, H, self_attention=True, head_specs=heads(masks, owners),
-                                   layer_index=layer, **kw)
+    attn = LocalMultiheadAttention(
+        E, H, self_attention=True, head_specs=heads(masks, owners), layer_index=layer, **kw
+    )
     attn.bind_qk_owners([attn])
     return attn.eval()
 
@@ -121,17 +122,25 @@ def test_tied_heads_share_one_projection_and_one_softmax():
     out, w = attn(x, x, x, need_head_weights=True)
     torch.testing.assert_close(out, reference(attn, x), atol=1e-5, rtol=1e-5)
     # heads 1 and 2 are masked views of head 0's softmax: where both masks allow, values agree
-    both = offset_mask([parse_mask("band-1")], 5, 5)[0] & offset_mask([parse_mask("prev-1")], 5, 5)[0]
+    both = (
+        offset_mask([parse_mask("band-1")], 5, 5)[0] & offset_mask([parse_mask("prev-1")], 5, 5)[0]
+    )
     assert both.any()
     torch.testing.assert_close(w[1, 0][both], w[2, 0][both])
 
 
 def test_tying_across_layers_shares_parameters_and_gradients():
     torch.manual_seed(0)
-    owner = LocalMultiheadAttention(E, H, self_attention=True, layer_index=0,
-                                    head_specs=heads(["identity"] + ["band-1"] * 3, [None] + [(0, 0)] * 3))
-    borrower = LocalMultiheadAttention(E, H, self_attention=True, layer_index=1,
-                                       head_specs=heads(["prev-1"] * H, [(0, 0)] * H))
+    owner = LocalMultiheadAttention(
+        E,
+        H,
+        self_attention=True,
+        layer_index=0,
+        head_specs=heads(["identity"] + ["band-1"] * 3, [None] + [(0, 0)] * 3),
+    )
+    borrower = LocalMultiheadAttention(
+        E, H, self_attention=True, layer_index=1, head_specs=heads(["prev-1"] * H, [(0, 0)] * H)
+    )
     layers = [owner, borrower]
     for m in layers:
         m.bind_qk_owners(layers)
@@ -150,7 +159,9 @@ def test_incremental_decoding_matches_full_forward():
     full, _ = attn(x, x, x, key_padding_mask=pad, attn_mask=future)
     torch.testing.assert_close(full, reference(attn, x, causal=True), atol=1e-5, rtol=1e-5)
     state = {}
-    steps = [attn(x[t : t + 1], x[t : t + 1], x[t : t + 1], incremental_state=state)[0] for t in range(6)]
+    steps = [
+        attn(x[t : t + 1], x[t : t + 1], x[t : t + 1], incremental_state=state)[0] for t in range(6)
+    ]
     torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-5)
 
 
@@ -164,3 +175,27 @@ def test_reorder_incremental_state_follows_beams():
     attn.reorder_incremental_state(state, torch.tensor([1, 1]))
     after = attn._get_input_buffer(state)["prev_value"]
     torch.testing.assert_close(after[0], before[1])
+
+
+def test_hand_checked_weights_with_left_padding():
+    """Zero Wq/Wk make every real key equally likely (1/3 for 3 real tokens); the masks then
+    keep exactly the hand-derived entries, counted from the first real token."""
+    masks = ["prev-1", "next-1", "band-1", "identity"]
+    attn = local_attention(masks)
+    with torch.no_grad():
+        for proj in (attn.q_proj, attn.k_proj):
+            proj.weight.zero_()
+            proj.bias.zero_()
+    x = torch.randn(5, 1, E)
+    pad = torch.tensor([[True, True, False, False, False]])  # 2 pads, then 3 real tokens
+    _, w = attn(x, x, x, key_padding_mask=pad, need_head_weights=True)
+    third = 1 / 3
+    expected = {  # rows: real tokens 0..2; columns: real keys 0..2
+        "prev-1": [[0, 0, 0], [third, 0, 0], [0, third, 0]],
+        "next-1": [[0, third, 0], [0, 0, third], [0, 0, 0]],
+        "band-1": [[third, third, 0], [third, third, third], [0, third, third]],
+        "identity": [[third, 0, 0], [0, third, 0], [0, 0, third]],
+    }
+    for h, name in enumerate(masks):
+        torch.testing.assert_close(w[h, 0, 2:, 2:], torch.tensor(expected[name]))
+        assert (w[h, 0, :, :2] == 0).all()  # padding keys get nothing

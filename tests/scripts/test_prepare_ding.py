@@ -43,7 +43,9 @@ def test_split_is_seeded_and_disjoint():
 def test_real_dictionary_gives_the_documented_corpus(tmp_path):
     out = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "prepare_ding.py"), "--out-dir", tmp_path],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "18135 sentence pairs (test 1000, valid 500, train 16635)" in out
     for split, n in (("test", 1000), ("valid", 500), ("train", 16635)):
@@ -53,8 +55,15 @@ def test_real_dictionary_gives_the_documented_corpus(tmp_path):
 
 def test_missing_dictionary_is_a_clear_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "prepare_ding.py"),
-         "--source", tmp_path / "nope", "--out-dir", tmp_path / "out"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "prepare_ding.py"),
+            "--source",
+            tmp_path / "nope",
+            "--out-dir",
+            tmp_path / "out",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode != 0 and "apt-get install trans-de-en" in proc.stderr

@@ -1,0 +1,126 @@
+"""Learned Gaussian localness (Yang et al. 2018, "Modeling Localness for Self-Attention Networks").
+
+Each Gaussian head adds to its logits (before the softmax)
+
+    G[i, j] = -(j - P_i)^2 / (2 sigma_i^2),   sigma_i = D_i / 2,
+
+where the centre P_i = I * sigmoid(p_i) with p_i = U_p^T tanh(W_p Q_i) (Eq. 7) and the window
+D_i comes from one of four strategies:
+
+* ``fixed``: D = ``fixed_window`` (10 in the paper);
+* ``layer``: D = I * sigmoid(U_d^T tanh(W_d mean(K))) (Eq. 8), one window per sentence;
+* ``query``: D_i = I * sigmoid(U_d^T tanh(W_p Q_i)) (Eq. 9, sharing W_p with the centre);
+* ``head``: D = N * sigmoid(z_h), one learned scalar per head (Eq. 11, N = ``max_window``).
+
+I is the real (unpadded) length and j counts real keys from the first real token, so left or
+right padding changes nothing. With a causal mask, query i sees I_i = i + 1 keys (and the layer
+strategy averages only those), which makes incremental decoding match the full forward pass.
+W_p is d x d on the full query (d = all heads' query width); U_p and U_d give one scalar per head.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WINDOW_STRATEGIES = ("fixed", "layer", "query", "head")
+MIN_WINDOW = 1e-4  # keeps sigma > 0: a window that underflows must not give 0/0
+
+
+def real_key_positions(key_padding_mask: Optional[Tensor], bsz: int, src_len: int, device):
+    """(bsz, src_len) position of each key among the real keys, and (bsz, src_len) realness."""
+    if key_padding_mask is None:
+        real = torch.ones(bsz, src_len, device=device)
+    else:
+        real = (~key_padding_mask.to(torch.bool)).float()
+    return real.cumsum(-1) - 1, real
+
+
+class GaussianLocalness(nn.Module):
+    def __init__(
+        self,
+        query_dim: int,
+        key_dim: int,
+        num_heads: int,
+        strategy: str = "query",
+        fixed_window: float = 10.0,
+        max_window: float = 50.0,
+    ):
+        super().__init__()
+        if strategy not in WINDOW_STRATEGIES:
+            raise ValueError(
+                f"unknown localness window strategy {strategy!r}; expected one of "
+                f"{', '.join(WINDOW_STRATEGIES)}"
+            )
+        if fixed_window <= 0 or max_window <= 0:
+            raise ValueError("localness windows must be positive")
+        self.strategy = strategy
+        self.num_heads = num_heads
+        self.fixed_window = float(fixed_window)
+        self.max_window = float(max_window)
+        self.w_p = nn.Linear(query_dim, query_dim, bias=False)
+        self.u_p = nn.Linear(query_dim, num_heads, bias=False)
+        self.w_d = nn.Linear(key_dim, key_dim, bias=False) if strategy == "layer" else None
+        if strategy == "query":
+            self.u_d = nn.Linear(query_dim, num_heads, bias=False)
+        elif strategy == "layer":
+            self.u_d = nn.Linear(key_dim, num_heads, bias=False)
+        else:
+            self.u_d = None
+        self.z = nn.Parameter(torch.zeros(num_heads)) if strategy == "head" else None
+
+    def centres_and_windows(
+        self, q: Tensor, k: Tensor, real: Tensor, causal: bool
+    ) -> Tuple[Tensor, Tensor]:
+        """P and D, each (bsz, heads, tgt_len), from queries (bsz, tgt, dq), keys (bsz, src, dk)
+        and the realness of the keys (bsz, src)."""
+        tgt_len, src_len = q.size(1), k.size(1)
+        if causal:
+            # query t sits at key position src_len - tgt_len + t and sees the keys up to it
+            seen = real.cumsum(-1)[:, src_len - tgt_len :]  # (bsz, tgt)
+        else:
+            seen = real.sum(-1, keepdim=True).expand(-1, tgt_len)
+        length = seen.unsqueeze(1)  # I, (bsz, 1, tgt)
+        hidden = torch.tanh(self.w_p(q))
+        if self.strategy == "query":
+            # U_p and U_d read the same hidden state: one matmul for both scalars
+            both = F.linear(hidden, torch.cat([self.u_p.weight, self.u_d.weight]))
+            p, z = both.transpose(1, 2).float().split(self.num_heads, dim=1)
+            return length * torch.sigmoid(p), length * torch.sigmoid(z)
+        centre = length * torch.sigmoid(self.u_p(hidden).transpose(1, 2).float())
+        if self.strategy == "fixed":
+            window = torch.full_like(centre, self.fixed_window)
+        elif self.strategy == "head":
+            window = (self.max_window * torch.sigmoid(self.z.float()))[None, :, None]
+            window = window.expand_as(centre)
+        else:
+            key_sum = k * real.unsqueeze(-1).to(k.dtype)
+            if causal:
+                key_sum = key_sum.cumsum(1)[:, src_len - tgt_len :]
+            else:
+                key_sum = key_sum.sum(1, keepdim=True)
+            mean_key = key_sum / seen.clamp_min(1).unsqueeze(-1).to(k.dtype)
+            z = self.u_d(torch.tanh(self.w_d(mean_key))).transpose(1, 2).float()
+            window = length * torch.sigmoid(z).expand_as(centre)
+        return centre, window
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        key_padding_mask: Optional[Tensor],
+        causal: bool,
+        logits: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """The float32 bias G (bsz, heads, tgt_len, src_len), or ``logits + G`` in one fused
+        operation when logits are given, with P and D (bsz, heads, tgt_len)."""
+        bsz, src_len = k.size(0), k.size(1)
+        positions, real = real_key_positions(key_padding_mask, bsz, src_len, k.device)
+        centre, window = self.centres_and_windows(q, k, real, causal)
+        # -(j - P)^2 / (2 sigma^2) with sigma = D / 2 is -(j - P)^2 * 2 / D^2
+        scale = (-2.0 / window.clamp_min(MIN_WINDOW).square()).unsqueeze(-1)
+        squared_offset = (positions[:, None, None, :] - centre.unsqueeze(-1)).square()
+        if logits is None:
+            return squared_offset * scale, centre, window
+        return torch.addcmul(logits, squared_offset, scale), centre, window

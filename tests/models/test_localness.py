@@ -1,0 +1,104 @@
+"""Gaussian localness and relative positions through fairseq's CLI and model API."""
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+
+from local_attn_fairseq.analysis.localness import localness_windows
+
+from .helpers import build_model
+from .test_fairseq_cli import TINY_MODEL, generate, train
+
+CASES = {
+    "fixed": ["--localness-window", "fixed"],
+    "layer": ["--localness-window", "layer"],
+    "query": ["--localness-window", "query"],
+    "head": ["--localness-window", "head"],
+    "decoder_self": ["--localness-layers", "decoder_self:all"],
+    "decoder_cross": ["--localness-layers", "decoder_cross:0"],
+    "with_rel_pos": ["--relative-positions", 4, "--relative-positions-values"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_train_generate_and_read_back(tiny_data, tmp_path, case):
+    train(tiny_data, tmp_path, *CASES[case], arch="transformer_localness")
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    generate(tiny_data, checkpoint)
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)])
+    task.load_dataset("test")
+    sample = task.dataset("test").collater([task.dataset("test")[i] for i in range(4)])
+    windows = localness_windows(models[0], sample)
+    assert windows, "no Gaussian heads found"
+    for (attn_type, layer), found in windows.items():
+        lengths = (sample["net_input"]["src_tokens"] != task.source_dictionary.pad()).sum(1)
+        if attn_type == "encoder_self":
+            assert found["centre"].shape == (4, 8, sample["net_input"]["src_tokens"].size(1))
+            assert (found["centre"] <= lengths[:, None, None]).all()
+        assert (found["centre"] >= 0).all() and (found["window"] > 0).all()
+
+
+def test_default_is_query_specific_in_encoder_layers_0_to_2(tiny_data):
+    model, _, _ = build_model(tiny_data / "bin", "transformer_localness", *TINY_MODEL)
+    with_gauss = [
+        i for i, layer in enumerate(model.encoder.layers) if layer.self_attn.localness is not None
+    ]
+    assert with_gauss == [0, 1, 2]
+    assert model.encoder.layers[0].self_attn.localness.strategy == "query"
+    assert all(layer.self_attn.localness is None for layer in model.decoder.layers)
+
+
+def test_parameter_growth_matches_the_paper(tiny_data):
+    """Transformer base, query-specific, encoder layers 1-3: 88.0M -> 88.8M (Table 4)."""
+    base, _, _ = build_model(tiny_data / "bin", "transformer_local")
+    local, _, _ = build_model(tiny_data / "bin", "transformer_localness")
+    grown = sum(p.numel() for p in local.parameters()) - sum(p.numel() for p in base.parameters())
+    assert grown == 3 * (512 * 512 + 2 * 512 * 8) == 811_008
+
+
+def test_decoder_side_incremental_decoding_equals_full_forward(tiny_data):
+    model, task, _ = build_model(
+        tiny_data / "bin",
+        "transformer_localness",
+        *TINY_MODEL,
+        "--localness-window",
+        "layer",
+        "--localness-layers",
+        "encoder_self:0-2 decoder_self:all decoder_cross:all",
+        "--relative-positions",
+        3,
+        "--relative-positions-values",
+    )
+    model.eval()
+    d = task.source_dictionary
+    src = d.encode_line("Das ist ein gutes Buch .", add_if_not_exist=False).long()[None]
+    tgt = task.target_dictionary.encode_line("This is a good book .", add_if_not_exist=False).long()
+    prev = torch.cat([torch.tensor([task.target_dictionary.eos()]), tgt[:-1]])[None]
+    with torch.no_grad():
+        enc = model.encoder(src, src_lengths=torch.tensor([src.size(1)]))
+        full, _ = model.decoder(prev, encoder_out=enc)
+        state = {}
+        steps = [
+            model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)[0]
+            for t in range(prev.size(1))
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (["--localness-layers", "encoder_self:7"], "layer 7 does not exist"),
+        (["--localness-layers", "encoder:0"], "unknown attention type 'encoder'"),
+        (["--localness-layers", "encoder_self"], "is not ATTENTION_TYPE:LAYERS"),
+        (["--localness-max-window", "-3"], "max_window must be a positive number"),
+        (["--relative-positions", "0"], "max_distance must be an integer >= 1"),
+        (
+            ["--relative-positions", "4", "--relative-positions-attention", "decoder_cross"],
+            "not a self-attention type",
+        ),
+    ],
+)
+def test_wrong_localness_options_are_rejected(tiny_data, options, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(tiny_data / "bin", "transformer_localness", *TINY_MODEL, *options)

@@ -1,0 +1,99 @@
+"""Gaussian localness and relative positions inside LocalMultiheadAttention."""
+
+import pytest
+import torch
+
+from local_attn_fairseq.locality.spec import HeadSpec
+from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
+
+E, H = 16, 4
+FUTURE = lambda n: torch.triu(torch.full((n, n), float("-inf")), 1)  # noqa: E731
+
+
+def attention(strategy="query", rel=None, values=False, causal=False, heads=None, **kw):
+    torch.manual_seed(0)
+    heads = heads or [
+        HeadSpec("global", None, True),
+        HeadSpec("band-1", None, True),
+        HeadSpec("global"),
+        HeadSpec("prev-1", (0, 0), True),
+    ]
+    attn = LocalMultiheadAttention(
+        E,
+        H,
+        head_specs=heads,
+        causal=causal,
+        localness={"window": strategy},
+        relative_max_distance=rel,
+        relative_values=values,
+        **kw,
+    )
+    attn.bind_qk_owners([attn])
+    return attn.eval()
+
+
+@pytest.mark.parametrize("strategy", ["fixed", "layer", "query", "head"])
+def test_decoder_self_attention_incremental_equals_full(strategy):
+    attn = attention(strategy, rel=2, values=True, causal=True, self_attention=True)
+    x = torch.randn(6, 2, E)
+    full, _ = attn(x, x, x, attn_mask=FUTURE(6))
+    state = {}
+    steps = [
+        attn(x[t : t + 1], x[t : t + 1], x[t : t + 1], incremental_state=state)[0] for t in range(6)
+    ]
+    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["layer", "query"])
+def test_cross_attention_incremental_equals_full(strategy):
+    heads = [HeadSpec("global", None, True)] * 2 + [HeadSpec("global")] * 2
+    attn = attention(strategy, heads=heads, kdim=E, vdim=E, encoder_decoder_attention=True)
+    x, enc = torch.randn(5, 2, E), torch.randn(7, 2, E)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[0, :3] = True  # left-padded source
+    full, _ = attn(x, enc, enc, key_padding_mask=pad, static_kv=True)
+    state = {}
+    steps = [
+        attn(x[t : t + 1], enc, enc, key_padding_mask=pad, incremental_state=state, static_kv=True)[
+            0
+        ]
+        for t in range(5)
+    ]
+    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-4)
+
+
+def test_encoder_left_padding_matches_the_sentence_alone():
+    attn = attention("layer", rel=3, values=True, self_attention=True)
+    x = torch.randn(4, 1, E)
+    padded = torch.cat([torch.zeros(3, 1, E), x])
+    pad = torch.tensor([[True] * 3 + [False] * 4])
+    out, _ = attn(padded, padded, padded, key_padding_mask=pad)
+    alone, _ = attn(x, x, x)
+    torch.testing.assert_close(out[3:], alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_length_one_and_all_padding_rows_are_finite(dtype):
+    attn = attention("query", rel=2, values=True, self_attention=True).to(dtype)
+    x = torch.randn(3, 3, E, dtype=dtype)
+    pad = torch.zeros(3, 3, dtype=torch.bool)
+    pad[1, :2] = True  # length 1
+    pad[2] = True  # nothing real
+    out, w = attn(x, x, x, key_padding_mask=pad, need_head_weights=True)
+    assert torch.isfinite(out).all() and torch.isfinite(w).all()
+    assert (w[:, 2] == 0).all()
+    one, _ = attn(x[2:, 1:2], x[2:, 1:2], x[2:, 1:2])
+    assert torch.isfinite(one).all()
+
+
+def test_gaussian_head_prefers_its_centre():
+    attn = attention("fixed", heads=[HeadSpec("global", None, True)] + [HeadSpec("global")] * 3)
+    with torch.no_grad():
+        for p in (attn.q_proj, attn.k_proj):
+            p.weight.zero_()
+            p.bias.zero_()
+    x = torch.randn(9, 1, E)
+    _, w = attn(x, x, x, need_head_weights=True)
+    # equal logits: the Gaussian alone decides, peaking at P = I sigmoid(0) = 4.5
+    assert w[0, 0].argmax(-1).tolist() in ([4] * 9, [5] * 9)
+    torch.testing.assert_close(w[1, 0], torch.full((9, 9), 1 / 9))
