@@ -241,7 +241,9 @@ class LocalMultiheadAttention(nn.Module):
             rel_index = self.relative_positions.index(tgt_len, src_len, q.device)
             logits = logits + self.relative_positions.key_logits(scaled_q, rel_index)
         if self.localness is not None:
-            logits = self._add_localness(self._expand_groups(logits).float(), q, k, key_padding_mask)
+            logits = self._add_localness(
+                self._expand_groups(logits).float(), q, k, key_padding_mask
+            )
         if attn_mask is not None:
             logits = logits + attn_mask.to(logits.dtype).unsqueeze(0).unsqueeze(0)
         no_key = None  # sentences without a single real key
