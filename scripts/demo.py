@@ -29,59 +29,19 @@ BIN = os.path.dirname(sys.executable)
 
 # Shared by both models: the paper's 8 heads and 6 encoder layers at a size that two CPU cores
 # train in minutes; pre-norm and a short warm-up let it learn in few epochs.
-MODEL_DIMS = [
-    "--encoder-embed-dim",
-    "128",
-    "--encoder-ffn-embed-dim",
-    "256",
-    "--encoder-layers",
-    "6",
-    "--encoder-attention-heads",
-    "8",
-    "--decoder-embed-dim",
-    "128",
-    "--decoder-ffn-embed-dim",
-    "256",
-    "--decoder-layers",
-    "2",
-    "--decoder-attention-heads",
-    "8",
-    "--encoder-normalize-before",
-    "--decoder-normalize-before",
-    "--share-all-embeddings",
-]
-SCHEDULE = [
-    "--optimizer",
-    "adam",
-    "--adam-betas",
-    "(0.9, 0.98)",
-    "--lr",
-    "3e-3",
-    "--lr-scheduler",
-    "inverse_sqrt",
-    "--warmup-updates",
-    "300",
-    "--dropout",
-    "0.2",
-    "--weight-decay",
-    "0.0001",
-    "--criterion",
-    "label_smoothed_cross_entropy",
-    "--label-smoothing",
-    "0.1",
-    "--max-tokens",
-    "1024",
-    "--num-workers",
-    "0",
-    "--seed",
-    "1",
-    "--no-epoch-checkpoints",
-    "--no-last-checkpoints",
-    "--log-format",
-    "simple",
-    "--log-interval",
-    "100",
-]
+MODEL_DIMS = (
+    "--encoder-embed-dim 128 --encoder-ffn-embed-dim 256 --encoder-layers 6 "
+    "--encoder-attention-heads 8 --decoder-embed-dim 128 --decoder-ffn-embed-dim 256 "
+    "--decoder-layers 2 --decoder-attention-heads 8 "
+    "--encoder-normalize-before --decoder-normalize-before --share-all-embeddings"
+).split()
+SCHEDULE = (
+    "--optimizer adam --adam-betas (0.9,0.98) --lr 3e-3 --lr-scheduler inverse_sqrt "
+    "--warmup-updates 300 --dropout 0.2 --weight-decay 0.0001 "
+    "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 1024 "
+    "--num-workers 0 --seed 1 --no-epoch-checkpoints --no-last-checkpoints "
+    "--log-format simple --log-interval 100"
+).split()
 DEFAULT_VOCAB_SIZE = 4000
 # The baseline is fairseq's own arch, but it is run with the plugin too: the plugin's shims are
 # what let this torch load fairseq checkpoints at all.

@@ -23,6 +23,27 @@ def fairseq_cli(tool, *args, cwd=None, check=True, stdin=None):
     return proc
 
 
+# Small dims, but the 6 encoder layers and 8 heads the paper's presets are written for.
+TINY_MODEL = (
+    "--encoder-embed-dim 32 --encoder-ffn-embed-dim 64 --encoder-layers 6 "
+    "--encoder-attention-heads 8 --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 "
+    "--decoder-layers 2 --decoder-attention-heads 8 --share-all-embeddings"
+).split()
+TRAIN = (
+    "--optimizer adam --lr 1e-3 --max-tokens 1000 --num-workers 0 "
+    "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --seed 1 "
+    "--no-progress-bar --log-interval 1 --no-epoch-checkpoints"
+).split()
+
+
+def train_tiny(data, save_dir, *extra, max_update=2, arch="transformer_local"):
+    """fairseq-train of a tiny plugin model on the tiny corpus, as a user would run it."""
+    return fairseq_cli(
+        "fairseq-train", data / "bin", "--user-dir", USER_DIR, "--arch", arch, *TINY_MODEL,
+        *TRAIN, "--max-update", max_update, "--save-dir", save_dir, *extra,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A small real de-en corpus (Ding sentences, word-level) binarised by fairseq-preprocess."""
@@ -66,35 +87,5 @@ def tiny_data(tmp_path_factory):
 def trained_checkpoint(tiny_data, tmp_path_factory):
     """A checkpoint written by fairseq-train (two updates of a tiny transformer_local_tied)."""
     save_dir = tmp_path_factory.mktemp("ckpt_tied")
-    fairseq_cli(
-        "fairseq-train",
-        tiny_data / "bin",
-        "--user-dir",
-        USER_DIR,
-        "--arch",
-        "transformer_local_tied_tiny",
-        "--encoder-embed-dim",
-        32,
-        "--encoder-ffn-embed-dim",
-        64,
-        "--decoder-embed-dim",
-        32,
-        "--decoder-ffn-embed-dim",
-        64,
-        "--decoder-layers",
-        1,
-        "--optimizer",
-        "adam",
-        "--lr",
-        "1e-3",
-        "--max-tokens",
-        1000,
-        "--max-update",
-        2,
-        "--num-workers",
-        0,
-        "--no-progress-bar",
-        "--save-dir",
-        save_dir,
-    )
+    train_tiny(tiny_data, save_dir, arch="transformer_local_tied")
     return save_dir / "checkpoint_last.pt"

@@ -18,7 +18,7 @@ def test_plain_torch_load_refuses_a_fairseq_checkpoint(trained_checkpoint):
 
 def test_fairseq_loads_its_checkpoint_with_the_shim(trained_checkpoint):
     state = checkpoint_utils.load_checkpoint_to_cpu(str(trained_checkpoint))
-    assert state["cfg"]["model"].arch == "transformer_local_tied_tiny"
+    assert state["cfg"]["model"].arch == "transformer_local_tied"
     assert any(k.startswith("encoder.layers.0.self_attn.q_proj") for k in state["model"])
 
 

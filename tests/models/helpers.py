@@ -1,5 +1,6 @@
 """Build plugin models through fairseq's own argument parsing, as fairseq-train does."""
 
+import torch
 from fairseq import options, tasks
 
 from ..conftest import USER_DIR
@@ -22,3 +23,21 @@ def encoder_attention_weights(model):
             seen.add(id(p))
             total += p.numel()
     return total
+
+
+def assert_incremental_decoding_matches_full_forward(model, task):
+    """Step-by-step decoding with fairseq's incremental state gives the full pass's outputs."""
+    model.eval()
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    src = src_dict.encode_line("Das ist ein gutes Buch .", add_if_not_exist=False).long()[None]
+    tgt = tgt_dict.encode_line("This is a good book .", add_if_not_exist=False).long()
+    prev = torch.cat([torch.tensor([tgt_dict.eos()]), tgt[:-1]])[None]
+    with torch.no_grad():
+        enc = model.encoder(src, src_lengths=torch.tensor([src.size(1)]))
+        full, _ = model.decoder(prev, encoder_out=enc)
+        state = {}
+        steps = [
+            model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)[0]
+            for t in range(prev.size(1))
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)

@@ -6,72 +6,14 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from ..conftest import USER_DIR, fairseq_cli
+from ..conftest import TINY_MODEL, TRAIN, USER_DIR, fairseq_cli, train_tiny
 from .helpers import build_model
 from .test_parameter_counts import PAPER_COUNTS
 
-# Small dims, but the 6 encoder layers and 8 heads the paper's presets are written for.
-TINY_MODEL = [
-    "--encoder-embed-dim",
-    32,
-    "--encoder-ffn-embed-dim",
-    64,
-    "--encoder-layers",
-    6,
-    "--encoder-attention-heads",
-    8,
-    "--decoder-embed-dim",
-    32,
-    "--decoder-ffn-embed-dim",
-    64,
-    "--decoder-layers",
-    2,
-    "--decoder-attention-heads",
-    8,
-    "--share-all-embeddings",
-]
-TRAIN = [
-    "--optimizer",
-    "adam",
-    "--lr",
-    "1e-3",
-    "--max-tokens",
-    1000,
-    "--num-workers",
-    0,
-    "--criterion",
-    "label_smoothed_cross_entropy",
-    "--label-smoothing",
-    0.1,
-    "--seed",
-    1,
-    "--no-progress-bar",
-    "--log-interval",
-    1,
-    "--no-epoch-checkpoints",
-]
 DECODER_LOCAL = (
     "{decoder_self: {all: [band-1, prev-1, prev-2, identity, global, global, global, global]},"
     " decoder_cross: {all: [global, global@0, global@0, global@0, global, global, global, global]}}"
 )
-
-
-def train(data, save_dir, *extra, max_update=2, arch="transformer_local"):
-    return fairseq_cli(
-        "fairseq-train",
-        data / "bin",
-        "--user-dir",
-        USER_DIR,
-        "--arch",
-        arch,
-        *TINY_MODEL,
-        *TRAIN,
-        "--max-update",
-        max_update,
-        "--save-dir",
-        save_dir,
-        *extra,
-    )
 
 
 def generate(data, checkpoint, *extra):
@@ -102,7 +44,7 @@ def generate(data, checkpoint, *extra):
 
 @pytest.mark.parametrize("preset", [p for p in PAPER_COUNTS if p] + [DECODER_LOCAL])
 def test_train_checkpoint_generate(tiny_data, tmp_path, preset):
-    train(tiny_data, tmp_path, "--locality-config", preset)
+    train_tiny(tiny_data, tmp_path, "--locality-config", preset)
     generate(tiny_data, tmp_path / "checkpoint_last.pt")
 
 
@@ -111,7 +53,7 @@ def test_checkpoint_describes_itself(tiny_data, tmp_path):
     spec_file.write_text(
         "name: mine\nencoder_self:\n  0-2: [band-2, next-1, identity@0, global, global, global, global, global]\n"
     )
-    train(tiny_data, tmp_path / "ckpt", "--locality-config", spec_file)
+    train_tiny(tiny_data, tmp_path / "ckpt", "--locality-config", spec_file)
     spec_file.unlink()  # generation must not need the file any more
     state = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "ckpt" / "checkpoint_last.pt"))
     stored = json.loads(state["cfg"]["model"].locality_config)
@@ -120,7 +62,7 @@ def test_checkpoint_describes_itself(tiny_data, tmp_path):
 
 
 def test_interactive_and_resume(tiny_data, tmp_path):
-    train(tiny_data, tmp_path, arch="transformer_local_tied", max_update=2)
+    train_tiny(tiny_data, tmp_path, arch="transformer_local_tied", max_update=2)
     proc = fairseq_cli(
         "fairseq-interactive",
         tiny_data / "bin",
@@ -140,14 +82,14 @@ def test_interactive_and_resume(tiny_data, tmp_path):
     )
     assert sum(line.startswith("H-") for line in proc.stdout.splitlines()) == 2
 
-    resumed = train(tiny_data, tmp_path, arch="transformer_local_tied", max_update=4)
+    resumed = train_tiny(tiny_data, tmp_path, arch="transformer_local_tied", max_update=4)
     log = resumed.stdout + resumed.stderr
     assert "Loaded checkpoint" in log and "@ 2 updates" in log
     assert "num_updates 4" in log or "num_updates=4" in log
 
 
 def test_load_pretrained_encoder(tiny_data, tmp_path):
-    train(tiny_data, tmp_path, "--locality-config", "half-tied")
+    train_tiny(tiny_data, tmp_path, "--locality-config", "half-tied")
     source = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "checkpoint_last.pt"))["model"]
     model, _, args = build_model(
         tiny_data / "bin",

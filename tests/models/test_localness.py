@@ -6,8 +6,9 @@ from fairseq import checkpoint_utils
 
 from local_attn_fairseq.analysis.localness import localness_windows
 
-from .helpers import build_model
-from .test_fairseq_cli import TINY_MODEL, generate, train
+from .helpers import assert_incremental_decoding_matches_full_forward, build_model
+from ..conftest import TINY_MODEL, train_tiny
+from .test_fairseq_cli import generate
 
 CASES = {
     "fixed": ["--localness-window", "fixed"],
@@ -22,7 +23,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_train_generate_and_read_back(tiny_data, tmp_path, case):
-    train(tiny_data, tmp_path, *CASES[case], arch="transformer_localness")
+    train_tiny(tiny_data, tmp_path, *CASES[case], arch="transformer_localness")
     checkpoint = tmp_path / "checkpoint_last.pt"
     generate(tiny_data, checkpoint)
     models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)])
@@ -69,20 +70,7 @@ def test_decoder_side_incremental_decoding_equals_full_forward(tiny_data):
         3,
         "--relative-positions-values",
     )
-    model.eval()
-    d = task.source_dictionary
-    src = d.encode_line("Das ist ein gutes Buch .", add_if_not_exist=False).long()[None]
-    tgt = task.target_dictionary.encode_line("This is a good book .", add_if_not_exist=False).long()
-    prev = torch.cat([torch.tensor([task.target_dictionary.eos()]), tgt[:-1]])[None]
-    with torch.no_grad():
-        enc = model.encoder(src, src_lengths=torch.tensor([src.size(1)]))
-        full, _ = model.decoder(prev, encoder_out=enc)
-        state = {}
-        steps = [
-            model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)[0]
-            for t in range(prev.size(1))
-        ]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+    assert_incremental_decoding_matches_full_forward(model, task)
 
 
 @pytest.mark.parametrize(

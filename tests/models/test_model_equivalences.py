@@ -2,8 +2,9 @@
 
 import torch
 
-from .helpers import build_model
-from .test_fairseq_cli import DECODER_LOCAL, TINY_MODEL
+from .helpers import assert_incremental_decoding_matches_full_forward, build_model
+from ..conftest import TINY_MODEL
+from .test_fairseq_cli import DECODER_LOCAL
 
 
 def tokens(task, *sentences):
@@ -31,18 +32,4 @@ def test_incremental_decoding_equals_full_forward(tiny_data):
     model, task, _ = build_model(
         tiny_data / "bin", "transformer_local", *TINY_MODEL, "--locality-config", DECODER_LOCAL
     )
-    model.eval()
-    src = tokens(task, "Das ist ein gutes Buch .")[0][None]
-    tgt_dict = task.target_dictionary
-    prev = torch.cat(
-        [torch.tensor([[tgt_dict.eos()]]), tokens(task, "This is a good book .")[0][None, :-1]], 1
-    )
-    with torch.no_grad():
-        enc = model.encoder(src, src_lengths=torch.tensor([src.size(1)]))
-        full, _ = model.decoder(prev, encoder_out=enc)
-        state = {}
-        steps = [
-            model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)[0]
-            for t in range(prev.size(1))
-        ]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+    assert_incremental_decoding_matches_full_forward(model, task)
