@@ -240,7 +240,8 @@ class LocalMultiheadAttention(nn.Module):
         if self.relative_positions is not None:
             rel_index = self.relative_positions.index(tgt_len, src_len, q.device)
             logits = logits + self.relative_positions.key_logits(scaled_q, rel_index)
-        if self.localness is not None:
+        per_head = self.localness is not None  # per-head biases need per-head logits
+        if per_head:
             logits = self._add_localness(
                 self._expand_groups(logits).float(), q, k, key_padding_mask
             )
@@ -254,13 +255,14 @@ class LocalMultiheadAttention(nn.Module):
             padding = padding & ~no_key[:, None]
             logits = logits.masked_fill(padding[:, None, None, :], float("-inf"))
         if before_softmax:
-            return self._expand_groups(logits), v
+            return (logits if per_head else self._expand_groups(logits)), v
 
         if attn_mask is not None and not self.causal:
             probs = safe_softmax(logits, dim=-1)  # an arbitrary mask may leave a row empty
         else:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        probs = self._expand_groups(probs)
+        if not per_head:
+            probs = self._expand_groups(probs)
         if self.has_head_masks:
             probs = probs * offset_mask(self.mask_bounds, tgt_len, src_len, probs.device)
         weights = probs

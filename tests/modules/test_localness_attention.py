@@ -97,3 +97,38 @@ def test_gaussian_head_prefers_its_centre():
     # equal logits: the Gaussian alone decides, peaking at P = I sigmoid(0) = 4.5
     assert w[0, 0].argmax(-1).tolist() in ([4] * 9, [5] * 9)
     torch.testing.assert_close(w[1, 0], torch.full((9, 9), 1 / 9))
+
+
+def test_tied_gaussian_heads_match_a_written_out_reference():
+    """Heads sharing Wq/Wk share logits, but each Gaussian head adds its own bias."""
+    heads = [HeadSpec("global", None, True), HeadSpec("band-1", None, True),
+             HeadSpec("global"), HeadSpec("prev-1", (0, 0), True)]  # fmt: skip
+    attn = attention("query", heads=heads, self_attention=True)
+    x = torch.randn(5, 2, E)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, :2] = True
+    out, w = attn(x, x, x, key_padding_mask=pad, need_head_weights=True)
+
+    d = E // H
+    q = attn.q_proj(x).view(5, 2, 3, d).permute(1, 2, 0, 3)  # three Q/K groups
+    k = attn.k_proj(x).view(5, 2, 3, d).permute(1, 2, 0, 3)
+    v = attn.v_proj(x).view(5, 2, H, d).permute(1, 2, 0, 3)
+    bias, _, _ = attn.localness(
+        q.transpose(1, 2).flatten(2), k.transpose(1, 2).flatten(2), pad, False
+    )
+    group, gaussian_slot = [0, 1, 2, 0], {0: 0, 1: 1, 3: 2}
+    expected_w = torch.zeros(H, 2, 5, 5)
+    for h in range(H):
+        logits = q[:, group[h]] @ k[:, group[h]].transpose(-1, -2) * d**-0.5
+        if h in gaussian_slot:
+            logits = logits + bias[:, gaussian_slot[h]]
+        p = torch.softmax(logits.masked_fill(pad[:, None, :], float("-inf")), -1)
+        bounds = attn.mask_bounds[h]
+        offsets = torch.arange(5)[None, :] - torch.arange(5)[:, None]
+        allowed = torch.ones(5, 5, dtype=torch.bool)
+        if bounds.lo is not None:
+            allowed &= (offsets >= bounds.lo) & (offsets <= bounds.hi)
+        expected_w[h] = p * allowed
+    torch.testing.assert_close(w, expected_w, atol=1e-5, rtol=1e-4)
+    expected = torch.einsum("hbts,bhsd->bhtd", expected_w, v).permute(2, 0, 1, 3).reshape(5, 2, E)
+    torch.testing.assert_close(out, attn.out_proj(expected), atol=1e-5, rtol=1e-4)
