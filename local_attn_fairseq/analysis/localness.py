@@ -18,15 +18,9 @@ from ..modules.local_multihead_attention import LocalMultiheadAttention
 def gaussian_attention_modules(model):
     """(attention type, layer) -> module, for every attention module with Gaussian heads."""
     found = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, LocalMultiheadAttention) or module.localness is None:
-            continue
-        side = "encoder" if name.startswith("encoder.") else "decoder"
-        if name.endswith("encoder_attn"):
-            attn_type = "decoder_cross"
-        else:
-            attn_type = f"{side}_self"
-        found[(attn_type, module.layer_index)] = module
+    for module in model.modules():
+        if isinstance(module, LocalMultiheadAttention) and module.localness is not None:
+            found[(module.attention_type, module.layer_index)] = module
     return found
 
 

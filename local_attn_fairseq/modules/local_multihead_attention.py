@@ -56,6 +56,7 @@ class LocalMultiheadAttention(nn.Module):
         encoder_decoder_attention: bool = False,
         head_specs: Optional[Sequence[HeadSpec]] = None,
         layer_index: int = 0,
+        attention_type: Optional[str] = None,
         causal: bool = False,
         localness: Optional[dict] = None,
         relative_max_distance: Optional[int] = None,
@@ -74,6 +75,7 @@ class LocalMultiheadAttention(nn.Module):
         self.encoder_decoder_attention = encoder_decoder_attention
         self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
         self.layer_index = layer_index
+        self.attention_type = attention_type  # encoder_self, decoder_self or decoder_cross
         self.causal = causal  # decoder self-attention: what each query sees grows with it
 
         self.head_specs = tuple(head_specs) if head_specs else (HeadSpec(),) * num_heads

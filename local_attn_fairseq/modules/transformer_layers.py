@@ -25,6 +25,7 @@ def local_attention(cfg, locality: LocalitySpec, attn_type: str, layer_index: in
         dropout=cfg.attention_dropout,
         head_specs=locality.heads(attn_type, layer_index),
         layer_index=layer_index,
+        attention_type=attn_type,
         causal=attn_type == "decoder_self",
         localness=locality.localness,
         relative_max_distance=locality.relative_max_distance(attn_type),
