@@ -1,4 +1,70 @@
+import os
+import shutil
+
 from setuptools import find_packages, setup
+
+DEFAULT_CUDA_ARCHS = "8.0;9.0"
+
+
+def cuda_wanted(torch, cpp_extension):
+    """Build the CUDA kernels when nvcc and a CUDA build of torch are present."""
+    if os.environ.get("LOCAL_ATTN_NO_CUDA") == "1" or torch.version.cuda is None:
+        return False
+    home = cpp_extension.CUDA_HOME
+    return home is not None and os.path.exists(os.path.join(home, "bin", "nvcc"))
+
+
+def choose_cuda_archs(torch):
+    # Without a GPU to ask, torch would build for every arch it knows; pick the usual ones.
+    archs = os.environ.get("LOCAL_ATTN_CUDA_ARCH_LIST")
+    if archs:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    elif not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+
+
+def banded_attention_extension():
+    """local_attn_fairseq._banded_C: the banded attention kernels (csrc/), or nothing.
+
+    The CPU kernels are always built; the CUDA ones when nvcc and a CUDA torch exist and
+    LOCAL_ATTN_NO_CUDA is not 1. LOCAL_ATTN_NO_EXTENSION=1 builds nothing: the operator then
+    runs its pure-PyTorch implementation.
+    """
+    if os.environ.get("LOCAL_ATTN_NO_EXTENSION") == "1":
+        return [], {}
+    if not os.environ.get("CUDA_HOME") and shutil.which("nvcc", path="/usr/local/cuda/bin"):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"  # torch guesses wrong from a wrapper nvcc
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:  # read without torch (an sdist, say): the op falls back to PyTorch
+        return [], {}
+    sources = ["csrc/banded_attention.cpp", "csrc/banded_attention_cpu.cpp"]
+    headers = ["csrc/banded_attention.h", "csrc/banded_cpu_kernels.h"]
+    # -fopenmp: at::parallel_for is header-only and runs serially without it; the AVX2 copy of
+    # the CPU kernels is chosen at run time, so no -march flag is needed.
+    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
+    kwargs = dict(
+        name="local_attn_fairseq._banded_C",
+        sources=sources,
+        depends=headers,
+        extra_link_args=["-fopenmp"],
+        extra_compile_args={"cxx": cxx_flags},
+    )
+    if cuda_wanted(torch, cpp_extension):
+        choose_cuda_archs(torch)
+        kwargs["sources"] = sources + ["csrc/banded_attention_cuda.cu"]
+        kwargs["extra_compile_args"] = {
+            "cxx": cxx_flags + ["-DLOCAL_ATTN_WITH_CUDA"],
+            "nvcc": ["-O3", "-DLOCAL_ATTN_WITH_CUDA"],
+        }
+        extension = cpp_extension.CUDAExtension(**kwargs)
+    else:
+        extension = cpp_extension.CppExtension(**kwargs)
+    return [extension], {"build_ext": cpp_extension.BuildExtension}
+
+
+EXT_MODULES, CMDCLASS = banded_attention_extension()
 
 setup(
     name="local_attn_fairseq",
@@ -14,6 +80,8 @@ setup(
     # inside the package, where local_attn_fairseq.locality.spec looks for them first.
     package_dir={"local_attn_fairseq.configs": "configs"},
     package_data={"local_attn_fairseq.configs": ["locality/*.yaml"]},
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
     install_requires=[
         "fairseq-fixed",
         "torch",

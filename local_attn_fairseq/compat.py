@@ -1,4 +1,4 @@
-"""The two shims the pinned stack (torch 2.11, torchaudio 2.11, fairseq 0.12) needs.
+"""The three shims the pinned stack (torch 2.11, torchaudio 2.11, numpy 2, fairseq 0.12) needs.
 
 Both are applied when the plugin is imported and are idempotent:
 
@@ -9,6 +9,9 @@ Both are applied when the plugin is imported and are idempotent:
 * torchaudio 2.9 removed ``torchaudio.sox_effects``, which fairseq's audio utilities import to
   normalise volume, resample and down-mix. We provide the three effects fairseq asks for with
   torchaudio's own functional resampler.
+* numpy 2 removed ``numpy.compat``, whose ``long`` (Python's ``int``) fairseq's token-block and
+  language-pair datasets still ask for (``--sample-break-mode eos``, language-model generation
+  with fairseq-interactive, batching by length).
 """
 
 import sys
@@ -82,6 +85,14 @@ def provide_sox_effects():
     torchaudio.sox_effects = module
 
 
+def provide_numpy_compat():
+    import numpy
+
+    if not hasattr(numpy, "compat"):
+        numpy.compat = types.SimpleNamespace(long=int)
+
+
 def apply():
     patch_checkpoint_loading()
     provide_sox_effects()
+    provide_numpy_compat()

@@ -6,6 +6,10 @@
 #   LOCAL_ATTN_VENV           virtual environment to use (default: .venv in the repo root)
 #   LOCAL_ATTN_WHEEL_CACHE    where the fairseq wheel built here is kept for later set-ups
 #                             (default: ~/.cache/local_attn_fairseq/wheels)
+#   LOCAL_ATTN_NO_EXTENSION=1 do not build the banded attention kernels (csrc/): the operator
+#                             then runs its pure-PyTorch implementation
+#   LOCAL_ATTN_NO_CUDA=1      build only the CPU kernels even where nvcc is found
+#   LOCAL_ATTN_CUDA_ARCH_LIST CUDA archs to build for (default: the GPU's, or 8.0;9.0 without one)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -29,10 +33,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# 2. The virtual environment, redone when constraints.txt or setup.py change.
+# 2. The virtual environment, redone when constraints.txt, setup.py, the kernels or the
+#    build switches change.
 stamp="$VENV/.local_attn_fairseq.stamp"
-want=$(cat "$ROOT/constraints.txt" "$ROOT/requirements.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import local_attn_fairseq" 2>/dev/null; then
+build_switches="${LOCAL_ATTN_NO_EXTENSION:-}/${LOCAL_ATTN_NO_CUDA:-}/${LOCAL_ATTN_CUDA_ARCH_LIST:-}"
+want=$( (cat "$ROOT/constraints.txt" "$ROOT/requirements.txt" "$ROOT/setup.py" "$ROOT"/csrc/*; \
+  echo "$build_switches") | sha256sum | cut -c1-16)
+plugin_modules="local_attn_fairseq"
+[ "${LOCAL_ATTN_NO_EXTENSION:-}" = 1 ] || plugin_modules="$plugin_modules, local_attn_fairseq._banded_C"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+  && "$VENV/bin/python" -c "import $plugin_modules" 2>/dev/null; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
@@ -54,11 +64,24 @@ if [ -z "$wheel" ]; then
 fi
 log "installing the pinned stack and the plugin"
 "${PIP[@]}" "$wheel" -r "$ROOT/requirements.txt"
-"${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"
-"$VENV/bin/python" - <<'PY'
+# The editable install builds the banded attention kernels (csrc/) into the package: the CPU
+# ones always, the CUDA ones where nvcc is found (a few minutes; see setup.py). Only this step
+# sees CUDA_HOME: the fairseq build above must not.
+plugin_env=(MAX_JOBS="${MAX_JOBS:-2}")
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+  plugin_env+=(CUDA_HOME=/usr/local/cuda)
+fi
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! nvidia-smi -L >/dev/null 2>&1; then
+  plugin_env+=(TORCH_CUDA_ARCH_LIST="${LOCAL_ATTN_CUDA_ARCH_LIST:-8.0;9.0}")
+fi
+log "building the plugin and its banded attention kernels"
+env "${plugin_env[@]}" "${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"
+"$VENV/bin/python" - "$plugin_modules" <<'PY'
 import importlib
+import sys
 for name in ["fairseq.libbleu", "fairseq.data.data_utils_fast", "fairseq.data.token_block_utils_fast",
-             "fairseq.libbase", "fairseq.libnat", "alignment_train_cpu_binding", "local_attn_fairseq"]:
+             "fairseq.libbase", "fairseq.libnat", "alignment_train_cpu_binding",
+             *sys.argv[1].split(", ")]:
     importlib.import_module(name)
 PY
 echo "$want" > "$stamp"

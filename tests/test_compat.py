@@ -57,3 +57,20 @@ def test_audio_conversion_fails_without_the_sox_replacement(monkeypatch):
 def test_unsupported_sox_effect_is_a_clear_error():
     with pytest.raises(ValueError, match="replacement supports only"):
         compat.apply_effects_tensor(torch.zeros(1, 10), 16000, [["reverb", "50"]])
+
+
+def _eos_blocks():
+    from fairseq.data import TokenBlockDataset
+
+    items = [torch.tensor([5, 6, 2]), torch.tensor([7, 2])]
+    return TokenBlockDataset(items, [3, 2], block_size=None, pad=1, eos=2, break_mode="eos")
+
+
+def test_eos_token_blocks_use_the_numpy_compat_replacement():
+    assert [b.tolist() for b in _eos_blocks()] == [[5, 6, 2], [7, 2]]
+
+
+def test_eos_token_blocks_fail_without_numpy_compat(monkeypatch):
+    monkeypatch.delattr(np, "compat")
+    with pytest.raises(AttributeError, match="compat"):
+        _eos_blocks()

@@ -7,18 +7,31 @@ A spec is data (a YAML/JSON mapping, a preset name, or a file) of this shape::
       all:                        # layer selector: N, "A-B", "A,B,C" or "all"
         [identity, identity@0, prev-1@0, prev-2@0, next-1@0, next-2@0, band-1@0, band-2@0]
 
-Each head is ``MASK``, ``MASK+gaussian`` or ``gaussian``, optionally followed by ``@OWNER``: the
-mask is one of ``fixed_masks``; ``gaussian`` adds Yang et al.'s learned localness bias (settings
-under ``localness``); the owner is the head whose Wq/Wk it uses instead of its own, ``H`` (head H
-of the same layer) or ``L.H`` (head H of layer L of the same attention type). Layers a spec does
-not name have global heads with their own Wq/Wk, i.e. the plain Transformer.
+Each head joins mechanisms with ``+`` (``MASK``, ``gaussian``, ``WINDOW``; each at most once, e.g.
+``band-2+gaussian``, ``aw-seg``), optionally followed by ``@OWNER``: the mask is one of
+``fixed_masks``; ``gaussian`` adds Yang et al.'s learned localness bias (settings under
+``localness``); the window is Nguyen et al.'s dynamic window, ``mw`` (multiplicative) or ``aw``
+(additive), token-based or ``-seg`` / ``-segB`` segment-based (B defaults to
+``dynamic_window.segment_size``); the owner is the head whose Wq/Wk it uses instead of its own,
+``H`` (head H of the same layer) or ``L.H`` (head H of layer L of the same attention type).
+Layers a spec does not name have global heads with their own Wq/Wk, i.e. the plain Transformer.
 
 Layer-wide mechanisms sit beside the attention types::
 
     localness: {window: query, layers: {encoder_self: 0-2}}   # Yang et al. 2018
     relative_positions: {max_distance: 16, values: false, attention: [encoder_self]}  # Shaw
+    dynamic_window: {segment_size: 5, layers: {encoder_self: "aw:0-2"}}  # Nguyen et al. 2020
+    head_gates: {attention: [encoder_self], temperature: 0.667}    # Voita et al. 2019
+
+and ``heads_kept`` says which heads a pruned model still has, per attention type and layer
+(a list over layers; each entry the kept heads' indices, or a count n for heads 0..n-1)::
+
+    heads_kept: {encoder_self: [[0, 5], [2], [], 4, 8, 8]}
+
+Head lists and ties always use the unpruned numbering, so pruning never rewrites them.
 """
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -28,10 +41,13 @@ import yaml
 
 from .fixed_masks import MaskBounds, parse_mask
 from .gaussian import WINDOW_STRATEGIES
+from .head_gates import DEFAULT_LOG_ALPHA_INIT, DEFAULT_TEMPERATURE
 
 ATTENTION_TYPES = ("encoder_self", "decoder_self", "decoder_cross")
 SELF_ATTENTION_TYPES = ("encoder_self", "decoder_self")
 _META_KEYS = ("name", "description")
+WINDOW_METHODS = ("mw", "aw")
+DEFAULT_SEGMENT_SIZE = 5  # Nguyen et al.'s b
 # layers: {attention type: layer selector} whose every head gets the Gaussian bias
 LOCALNESS_DEFAULTS = {"window": "query", "fixed_window": 10.0, "max_window": 50.0, "layers": {}}
 RELATIVE_POSITION_DEFAULTS = {
@@ -39,6 +55,16 @@ RELATIVE_POSITION_DEFAULTS = {
     "values": False,
     "attention": ["encoder_self", "decoder_self"],
 }
+# layers: {attention type: "METHOD:LAYERS"}, e.g. {encoder_self: "aw:0-2"}: every head of the
+# named layers gets the dynamic window METHOD (mw, aw, mw-seg, aw-seg, ...).
+DYNAMIC_WINDOW_DEFAULTS = {"segment_size": DEFAULT_SEGMENT_SIZE, "layers": {}}
+HEAD_GATE_DEFAULTS = {
+    "attention": [],
+    "temperature": DEFAULT_TEMPERATURE,
+    "log_alpha_init": DEFAULT_LOG_ALPHA_INIT,
+}
+# Short names accepted by --head-gates.
+ATTENTION_TYPE_ALIASES = {"enc": "encoder_self", "dec": "decoder_self", "cross": "decoder_cross"}
 PRESET_DIR_CANDIDATES = (
     os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "locality"),  # installed
     os.path.join(
@@ -57,6 +83,10 @@ class HeadSpec:
     # (layer, head) whose Wq/Wk this head uses; None: the head owns its Wq/Wk.
     qk_owner: Optional[Tuple[int, int]] = None
     gaussian: bool = False  # Yang et al.'s localness bias on this head's logits
+    # Nguyen et al.'s dynamic window: "mw" (multiplicative) or "aw" (additive), or None; with
+    # segment-based masking of this segment size (None: token-based).
+    window: Optional[str] = None
+    segment: Optional[int] = None
 
     @property
     def bounds(self) -> MaskBounds:
@@ -65,12 +95,36 @@ class HeadSpec:
     @property
     def token(self) -> str:
         """The head written back in spec syntax, with its owner resolved."""
-        text = "gaussian" if self.gaussian and self.mask == "global" else self.mask
-        if self.gaussian and self.mask != "global":
-            text += "+gaussian"
+        parts = [] if self.mask == "global" else [self.mask]
+        if self.gaussian:
+            parts.append("gaussian")
+        if self.window:
+            parts.append(self.window + (f"-seg{self.segment}" if self.segment else ""))
+        text = "+".join(parts) or "global"
         if self.qk_owner:
             text += f"@{self.qk_owner[0]}.{self.qk_owner[1]}"
         return text
+
+    def replace(self, **changes) -> "HeadSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def parse_window(token: str, segment_size: int = DEFAULT_SEGMENT_SIZE):
+    """``mw``, ``aw``, ``mw-seg``, ``aw-seg3`` -> (method, segment size or None), or None when the
+    token is not a dynamic-window method."""
+    method, _, segment = token.partition("-")
+    if method not in WINDOW_METHODS:
+        return None
+    if not segment:
+        return method, None
+    if not segment.startswith("seg"):
+        raise LocalitySpecError(
+            f"{token!r}: a dynamic window is mw or aw, optionally -seg or -segB (segment size B)"
+        )
+    size = segment[len("seg") :]
+    if size and (not size.isdigit() or int(size) < 1):
+        raise LocalitySpecError(f"{token!r}: the segment size must be a positive integer")
+    return method, int(size) if size else segment_size
 
 
 def preset_dir() -> Optional[str]:
@@ -158,22 +212,30 @@ def _layer_indices(selector, num_layers, where):
     return parts
 
 
-def _parse_head(token, layer, where):
+def _parse_head(token, layer, where, segment_size=DEFAULT_SEGMENT_SIZE):
     if not isinstance(token, str):
         raise LocalitySpecError(f"{where}: head entry {token!r} is not a string")
     mechanisms, _, owner = token.strip().partition("@")
     parts = mechanisms.split("+")
     gaussian = "gaussian" in parts
-    masks = [p for p in parts if p != "gaussian"]
+    try:
+        windows = [w for w in (parse_window(p, segment_size) for p in parts) if w]
+    except LocalitySpecError as e:
+        raise LocalitySpecError(f"{where}: {e}") from None
+    masks = [p for p in parts if p != "gaussian" and not parse_window(p)]
     if len(masks) > 1 or parts.count("gaussian") > 1:
         raise LocalitySpecError(f"{where}: {token!r} combines more than one mask")
+    if len(windows) > 1:
+        raise LocalitySpecError(f"{where}: {token!r} combines more than one dynamic window")
     mask = masks[0] if masks else "global"
+    window, segment = windows[0] if windows else (None, None)
     try:
         parse_mask(mask)
     except ValueError as e:
         raise LocalitySpecError(f"{where}: {e}") from None
+    head = HeadSpec(mask, None, gaussian, window, segment)
     if not owner:
-        return HeadSpec(mask, None, gaussian)
+        return head
     try:
         if "." in owner:
             owner_layer, owner_head = (int(x) for x in owner.split("."))
@@ -183,7 +245,7 @@ def _parse_head(token, layer, where):
         raise LocalitySpecError(
             f"{where}: owner {owner!r} in {token!r} is not H or L.H (head, or layer.head)"
         ) from None
-    return HeadSpec(mask, (owner_layer, owner_head), gaussian)
+    return head.replace(qk_owner=(owner_layer, owner_head))
 
 
 class LocalitySpec:
@@ -195,7 +257,13 @@ class LocalitySpec:
         self.num_layers = dict(num_layers)
         self.num_heads = dict(num_heads)
         self._layers: Dict[str, Dict[int, Tuple[HeadSpec, ...]]] = {}
-        layer_wide = ("localness", "relative_positions")
+        layer_wide = (
+            "localness",
+            "relative_positions",
+            "dynamic_window",
+            "head_gates",
+            "heads_kept",
+        )
         unknown = set(self.config) - set(ATTENTION_TYPES) - set(_META_KEYS) - set(layer_wide)
         if unknown:
             raise LocalitySpecError(
@@ -216,11 +284,21 @@ class LocalitySpec:
                 )
         self.relative_positions = self._settings("relative_positions", RELATIVE_POSITION_DEFAULTS)
         self._check_relative_positions()
+        self.dynamic_window = self._settings("dynamic_window", DYNAMIC_WINDOW_DEFAULTS)
+        segment_size = self.dynamic_window["segment_size"]
+        if isinstance(segment_size, bool) or not isinstance(segment_size, int) or segment_size < 1:
+            raise LocalitySpecError(
+                f"dynamic_window: segment_size must be an integer >= 1, got {segment_size!r}"
+            )
         for attn_type in ATTENTION_TYPES:
             self._layers[attn_type] = self._parse_type(attn_type, self.config.get(attn_type) or {})
         for attn_type in ATTENTION_TYPES:
             self._resolve_owners(attn_type)
         self._add_gaussian_layers()
+        self._add_window_layers()
+        self.head_gates = self._settings("head_gates", HEAD_GATE_DEFAULTS)
+        self._check_head_gates()
+        self._kept = self._parse_heads_kept(self.config.get("heads_kept") or {})
 
     # -- parsing and validation -------------------------------------------------------------
     def _settings(self, key, defaults):
@@ -250,8 +328,34 @@ class LocalitySpec:
             where = f"localness layers {attn_type}"
             for layer in _layer_indices(selector, self.num_layers[attn_type], where):
                 self._layers[attn_type][layer] = tuple(
-                    HeadSpec(h.mask, h.qk_owner, True) for h in self.heads(attn_type, layer)
+                    h.replace(gaussian=True) for h in self.heads(attn_type, layer)
                 )
+
+    def _add_window_layers(self):
+        """``dynamic_window.layers`` gives every head of the named layers a dynamic window."""
+        layers = self.dynamic_window["layers"]
+        if not isinstance(layers, Mapping):
+            raise LocalitySpecError(
+                "dynamic_window: layers must map attention types to 'METHOD:LAYERS' strings"
+            )
+        for attn_type, entry in layers.items():
+            where = f"dynamic_window layers {attn_type}"
+            if attn_type not in ATTENTION_TYPES or attn_type not in self.num_layers:
+                raise LocalitySpecError(f"{where}: not an attention type of this model")
+            method, sep, selector = str(entry).partition(":")
+            window = parse_window(method, self.dynamic_window["segment_size"]) if sep else None
+            if window is None:
+                raise LocalitySpecError(
+                    f"{where}: {entry!r} is not METHOD:LAYERS with METHOD mw, aw, mw-seg or "
+                    "aw-seg (e.g. aw:0-2)"
+                )
+            for layer in _layer_indices(selector, self.num_layers[attn_type], where):
+                heads = tuple(
+                    h.replace(window=window[0], segment=window[1])
+                    for h in self.heads(attn_type, layer)
+                )
+                self._check_masks(attn_type, layer, heads)
+                self._layers[attn_type][layer] = heads
 
     def _check_relative_positions(self):
         rel = self.relative_positions
@@ -270,6 +374,68 @@ class LocalitySpec:
                     f"relative_positions: {attn_type!r} is not a self-attention type "
                     f"({', '.join(SELF_ATTENTION_TYPES)})"
                 )
+
+    def _check_head_gates(self):
+        gates = self.head_gates
+        types = gates["attention"]
+        if isinstance(types, str):
+            types = [t.strip() for t in types.split(",") if t.strip()]
+        types = [ATTENTION_TYPE_ALIASES.get(t, t) for t in types]
+        for attn_type in types:
+            if attn_type not in ATTENTION_TYPES:
+                raise LocalitySpecError(
+                    f"head_gates: unknown attention type {attn_type!r}; expected "
+                    f"{', '.join(ATTENTION_TYPES)} (or enc, dec, cross)"
+                )
+            if attn_type not in self.num_layers:
+                raise LocalitySpecError(f"head_gates: this model has no {attn_type} attention")
+        gates["attention"] = [t for t in ATTENTION_TYPES if t in types]
+        temperature = gates["temperature"]
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise LocalitySpecError(
+                f"head_gates: temperature must be a number, got {temperature!r}"
+            )
+        if temperature <= 0:
+            raise LocalitySpecError(f"head_gates: temperature must be positive, got {temperature}")
+        if not isinstance(gates["log_alpha_init"], (int, float)):
+            raise LocalitySpecError("head_gates: log_alpha_init must be a number")
+
+    def _parse_heads_kept(self, kept_cfg):
+        if not isinstance(kept_cfg, Mapping):
+            raise LocalitySpecError("heads_kept: must map attention types to per-layer lists")
+        kept = {}
+        for attn_type, per_layer in kept_cfg.items():
+            if attn_type not in ATTENTION_TYPES or attn_type not in self.num_layers:
+                raise LocalitySpecError(
+                    f"heads_kept: {attn_type!r} is not an attention type of this model"
+                )
+            n_layers, n_heads = self.num_layers[attn_type], self.num_heads[attn_type]
+            if not isinstance(per_layer, (list, tuple)) or len(per_layer) != n_layers:
+                raise LocalitySpecError(
+                    f"heads_kept {attn_type}: expected a list of {n_layers} entries (one per "
+                    f"layer), got {per_layer!r}"
+                )
+            kept[attn_type] = tuple(
+                self._kept_in_layer(entry, n_heads, f"heads_kept {attn_type} layer {layer}")
+                for layer, entry in enumerate(per_layer)
+            )
+        return kept
+
+    @staticmethod
+    def _kept_in_layer(entry, n_heads, where):
+        if isinstance(entry, int) and not isinstance(entry, bool):
+            if not 0 <= entry <= n_heads:
+                raise LocalitySpecError(f"{where}: {entry} heads, but layers have {n_heads}")
+            return tuple(range(entry))
+        if not isinstance(entry, (list, tuple)) or not all(
+            isinstance(h, int) and not isinstance(h, bool) for h in entry
+        ):
+            raise LocalitySpecError(f"{where}: expected a head count or a list of head indices")
+        if len(set(entry)) != len(entry) or any(not 0 <= h < n_heads for h in entry):
+            raise LocalitySpecError(
+                f"{where}: head indices {list(entry)} must be distinct and in 0-{n_heads - 1}"
+            )
+        return tuple(sorted(entry))
 
     def _parse_type(self, attn_type, layers_cfg):
         if not isinstance(layers_cfg, Mapping):
@@ -295,7 +461,12 @@ class LocalitySpec:
                 if layer in parsed:
                     raise LocalitySpecError(f"{attn_type} layer {layer} is given more than once")
                 parsed[layer] = tuple(
-                    _parse_head(tok, layer, f"{attn_type} layer {layer} head {h}")
+                    _parse_head(
+                        tok,
+                        layer,
+                        f"{attn_type} layer {layer} head {h}",
+                        self.dynamic_window["segment_size"],
+                    )
                     for h, tok in enumerate(heads)
                 )
                 self._check_masks(attn_type, layer, parsed[layer])
@@ -310,6 +481,11 @@ class LocalitySpec:
                 raise LocalitySpecError(
                     f"{where}: mask {head.mask!r} needs queries and keys from one sequence; "
                     "cross-attention heads can only be global (tying is allowed)"
+                )
+            if attn_type == "decoder_self" and head.segment:
+                raise LocalitySpecError(
+                    f"{where}: segment-based windows need whole segments of keys, which the "
+                    "decoder's self-attention does not have yet; use mw or aw (token-based)"
                 )
             if attn_type == "decoder_self" and bounds.lo is not None and bounds.lo > 0:
                 raise LocalitySpecError(
@@ -353,9 +529,7 @@ class LocalitySpec:
             new_heads = []
             for h, spec in enumerate(heads):
                 owner = owner_of(layer, h)
-                new_heads.append(
-                    HeadSpec(spec.mask, None if owner == (layer, h) else owner, spec.gaussian)
-                )
+                new_heads.append(spec.replace(qk_owner=None if owner == (layer, h) else owner))
             resolved[layer] = tuple(new_heads)
         self._layers[attn_type] = resolved
 
@@ -366,6 +540,43 @@ class LocalitySpec:
         if layer in layers:
             return layers[layer]
         return tuple(HeadSpec() for _ in range(self.num_heads[attn_type]))
+
+    def kept_heads(self, attn_type: str, layer: int) -> Tuple[int, ...]:
+        """The heads (unpruned numbering) that this layer has; all of them unless pruned."""
+        kept = self._kept.get(attn_type)
+        return kept[layer] if kept else tuple(range(self.num_heads[attn_type]))
+
+    def qk_rows(self, attn_type: str, layer: int) -> Tuple[int, ...]:
+        """The heads of this layer whose Wq/Wk the layer holds.
+
+        That is every head owning its Wq/Wk that a kept head of any layer uses, even when the
+        head itself was pruned; a layer with Gaussian heads keeps all of its queries, since the
+        localness projections read the layer's whole query vector.
+        """
+        needed = set()
+        for other in range(self.num_layers[attn_type]):
+            heads = self.heads(attn_type, other)
+            users = self._query_heads(attn_type, other)
+            for h in users:
+                owner = heads[h].qk_owner or (other, h)
+                if owner[0] == layer:
+                    needed.add(owner[1])
+        return tuple(sorted(needed))
+
+    def _query_heads(self, attn_type: str, layer: int) -> Tuple[int, ...]:
+        """The heads whose queries and keys the layer computes."""
+        if any(h.gaussian for h in self.heads(attn_type, layer)):
+            return tuple(range(self.num_heads[attn_type]))
+        return self.kept_heads(attn_type, layer)
+
+    def is_pruned(self) -> bool:
+        return bool(self._kept)
+
+    def gate_settings(self, attn_type: str) -> Optional[dict]:
+        """Hard Concrete settings when this attention type has head gates, else None."""
+        if attn_type not in self.head_gates["attention"]:
+            return None
+        return {k: v for k, v in self.head_gates.items() if k != "attention"}
 
     def is_local(self, attn_type: str) -> bool:
         return bool(self._layers.get(attn_type))
@@ -387,4 +598,9 @@ class LocalitySpec:
             for layer in sorted(self._layers.get(attn_type, {})):
                 heads = " ".join(h.token for h in self._layers[attn_type][layer])
                 lines.append(f"  {attn_type} layer {layer}: {heads}")
+        for attn_type, per_layer in self._kept.items():
+            counts = "/".join(str(len(heads)) for heads in per_layer)
+            lines.append(f"  {attn_type} heads kept per layer: {counts}")
+        if self.head_gates["attention"]:
+            lines.append(f"  head gates on {', '.join(self.head_gates['attention'])}")
         return "\n".join(lines)

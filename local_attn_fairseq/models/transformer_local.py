@@ -13,82 +13,42 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 from fairseq.models.transformer.transformer_legacy import transformer_iwslt_de_en
 
-from ..locality.gaussian import WINDOW_STRATEGIES
-from ..locality.spec import LocalitySpec, LocalitySpecError, load_spec_config, preset_names
+from ..locality.spec import LocalitySpec
 from ..modules.transformer_layers import LocalTransformerDecoder, LocalTransformerEncoder
+from .locality_options import (
+    HeadGateQueries,
+    add_locality_args,
+    default_dynamic_window,
+    first_layers,
+    locality_spec_for_attention,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def locality_spec_from_cfg(cfg) -> LocalitySpec:
-    """Build and validate the spec named by ``cfg.locality_config`` for this model's shape."""
+    """The validated spec of an encoder-decoder model (flat args or fairseq's nested config)."""
 
     def dim(flat, nested_group, nested_key):
         if hasattr(cfg, flat):
             return getattr(cfg, flat)
         return getattr(getattr(cfg, nested_group), nested_key)
 
-    num_layers = {
-        "encoder_self": dim("encoder_layers", "encoder", "layers"),
-        "decoder_self": dim("decoder_layers", "decoder", "layers"),
-        "decoder_cross": dim("decoder_layers", "decoder", "layers"),
-    }
-    num_heads = {
-        "encoder_self": dim("encoder_attention_heads", "encoder", "attention_heads"),
-        "decoder_self": dim("decoder_attention_heads", "decoder", "attention_heads"),
-        "decoder_cross": dim("decoder_attention_heads", "decoder", "attention_heads"),
-    }
-    try:
-        config = load_spec_config(getattr(cfg, "locality_config", None))
-        return LocalitySpec(with_command_line_settings(config, cfg), num_layers, num_heads)
-    except LocalitySpecError as e:
-        raise LocalitySpecError(
-            f"invalid locality spec (--locality-config, --localness-*, --relative-positions*): {e}"
-        ) from None
-
-
-def with_command_line_settings(config: dict, cfg) -> dict:
-    """The spec with the --localness-* and --relative-positions* options written into it.
-
-    Setting a key to the same value twice changes nothing, so rebuilding a model from a
-    checkpoint (whose stored spec already holds these settings) gives the same spec.
-    """
-    config = dict(config)
-    localness = dict(config.get("localness") or {})
-    for option, key in (
-        ("localness_window", "window"),
-        ("localness_fixed_window", "fixed_window"),
-        ("localness_max_window", "max_window"),
-    ):
-        if getattr(cfg, option, None) is not None:
-            localness[key] = getattr(cfg, option)
-    if getattr(cfg, "localness_layers", None):
-        layers = dict(localness.get("layers") or {})
-        for entry in cfg.localness_layers.split():
-            attn_type, sep, selector = entry.partition(":")
-            if not sep:
-                raise LocalitySpecError(
-                    f"--localness-layers entry {entry!r} is not ATTENTION_TYPE:LAYERS "
-                    "(e.g. encoder_self:0-2)"
-                )
-            layers[attn_type] = selector
-        localness["layers"] = layers
-    if localness:
-        config["localness"] = localness
-    rel = dict(config.get("relative_positions") or {})
-    if getattr(cfg, "relative_positions", None) is not None:
-        rel["max_distance"] = cfg.relative_positions
-    if getattr(cfg, "relative_positions_values", False):
-        rel["values"] = True
-    if getattr(cfg, "relative_positions_attention", None):
-        rel["attention"] = cfg.relative_positions_attention.split(",")
-    if rel:
-        config["relative_positions"] = rel
-    return config
+    enc_layers, dec_layers = dim("encoder_layers", "encoder", "layers"), dim(
+        "decoder_layers", "decoder", "layers"
+    )
+    enc_heads = dim("encoder_attention_heads", "encoder", "attention_heads")
+    dec_heads = dim("decoder_attention_heads", "decoder", "attention_heads")
+    return locality_spec_for_attention(
+        cfg,
+        {"encoder_self": enc_layers, "decoder_self": dec_layers, "decoder_cross": dec_layers},
+        {"encoder_self": enc_heads, "decoder_self": dec_heads, "decoder_cross": dec_heads},
+        "a Transformer",
+    )
 
 
 @register_model("transformer_local")
-class LocalTransformerModel(TransformerModel):
+class LocalTransformerModel(HeadGateQueries, TransformerModel):
     """Transformer whose attention heads follow a locality spec (Pande et al. and later papers).
 
     Without ``--locality-config`` every head is global: the plain Transformer.
@@ -97,56 +57,12 @@ class LocalTransformerModel(TransformerModel):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
+        add_locality_args(parser)
         parser.add_argument(
-            "--locality-config",
-            type=str,
-            metavar="NAME_OR_PATH",
-            help="locality spec: a preset ("
-            + ", ".join(preset_names())
-            + "), a YAML file, or an inline YAML mapping such as "
-            '"{encoder_self: {all: [band-1, band-2, global, ...]}}"',
-        )
-        parser.add_argument(
-            "--localness-layers",
-            type=str,
-            metavar="TYPE:LAYERS ...",
-            help="give every head of these layers Yang et al.'s Gaussian localness bias, e.g. "
-            "'encoder_self:0-2 decoder_cross:all' (types: encoder_self, decoder_self, decoder_cross)",
-        )
-        parser.add_argument(
-            "--localness-window",
-            choices=WINDOW_STRATEGIES,
-            help="how Gaussian heads choose their window (Yang et al. Sec. 3.3; default query)",
-        )
-        parser.add_argument(
-            "--localness-fixed-window",
-            type=float,
-            metavar="D",
-            help="window of the 'fixed' strategy (default 10)",
-        )
-        parser.add_argument(
-            "--localness-max-window",
-            type=float,
-            metavar="N",
-            help="largest window of the 'head' strategy, D = N sigmoid(z) (default 50)",
-        )
-        parser.add_argument(
-            "--relative-positions",
-            type=int,
-            metavar="K",
-            help="Shaw et al. relative position representations clipped at distance K",
-        )
-        parser.add_argument(
-            "--relative-positions-values",
+            "--freeze-decoder",
             action="store_true",
-            help="also add relative position representations to the values",
-        )
-        parser.add_argument(
-            "--relative-positions-attention",
-            type=str,
-            metavar="TYPES",
-            help="comma-separated self-attention types with relative positions "
-            "(default encoder_self,decoder_self)",
+            help="train only the encoder and the head gates (pruning encoder heads, Voita et "
+            "al. 6.2): decoder parameters not shared with the encoder stay fixed",
         )
         parser.add_argument(
             "--load-pretrained-encoder-from",
@@ -165,6 +81,8 @@ class LocalTransformerModel(TransformerModel):
         # The encoder weights now come from the checkpoint being trained; rebuilding this model
         # later (fairseq-generate, resuming) must not need the pretrained file any more.
         args.load_pretrained_encoder_from = None
+        if getattr(args, "freeze_decoder", False):
+            freeze_decoder(model)
         return model
 
     @classmethod
@@ -185,6 +103,18 @@ class LocalTransformerModel(TransformerModel):
             locality_spec_from_cfg(cfg),
             no_encoder_attn=cfg.no_cross_attention,
         )
+
+
+def freeze_decoder(model):
+    """Fix the decoder's parameters except its head gates and what it shares with the encoder."""
+    encoder_params = {id(p) for p in model.encoder.parameters()}
+    frozen = 0
+    for name, param in model.decoder.named_parameters():
+        if "head_gates" in name or id(param) in encoder_params:
+            continue
+        param.requires_grad_(False)
+        frozen += param.numel()
+    logger.info(f"--freeze-decoder: {frozen:,} decoder parameters are fixed")
 
 
 def _default_locality(args, preset):
@@ -274,3 +204,31 @@ def transformer_local_tied_big(args):
     _default_locality(args, "1loc7tied-all6")
     transformer_vaswani_wmt_en_de_big(args)
     transformer_local_base(args)
+
+
+@register_model_architecture("transformer_local", "transformer_dynwin")
+def transformer_dynwin(args):
+    """Nguyen et al.'s best MT model, Enc(AW) - Cr(AW, Seg) - Dec(MW) in the first 3 layers;
+    --dynamic-window changes the layout of the attention types it names."""
+    transformer_local_base(args)
+    enc, dec = first_layers(3, args.encoder_layers), first_layers(3, args.decoder_layers)
+    default_dynamic_window(
+        args,
+        {
+            "encoder_self": f"aw:{enc}",
+            "decoder_cross": f"aw-seg:{dec}",
+            "decoder_self": f"mw:{dec}",
+        },
+    )
+
+
+@register_model_architecture("transformer_local", "transformer_dynwin_iwslt_de_en")
+def transformer_dynwin_iwslt_de_en(args):
+    transformer_local_iwslt_de_en(args)
+    transformer_dynwin(args)
+
+
+@register_model_architecture("transformer_local", "transformer_dynwin_tiny")
+def transformer_dynwin_tiny(args):
+    tiny_dims(args)
+    transformer_dynwin(args)

@@ -4,14 +4,20 @@ This is the one place where mechanisms are composed, always in this order (see D
 
 1. project q, k, v; heads may use the Wq/Wk of another head, of this layer or of another layer
    (tying: the parameters exist once, in the owning layer);
-2. logits = q k^T / sqrt(d), plus the additive terms: relative positions (Shaw et al.) and the
-   Gaussian localness bias (Yang et al.);
+2. logits = q k^T / sqrt(d), plus the additive terms: relative positions (Shaw et al.), the
+   Gaussian localness bias (Yang et al.) and the additive window's local scores s_loc * M / sqrt(d)
+   (Nguyen et al. AW, from the heads' own local Q/K projections);
 3. causal and key-padding masks (a query with no allowed key gets zeros, never NaN);
 4. softmax;
-5. post-softmax fixed binary head masks (Pande et al.: weights keep the values of the softmax
-   over all keys, so they need not sum to one);
+5. post-softmax multipliers: fixed binary head masks (Pande et al.: weights keep the values of
+   the softmax over all keys, so they need not sum to one) and the multiplicative window's soft
+   mask M (Nguyen et al. MW);
 6. attention dropout, times v (plus the relative position values);
-7. output projection.
+7. per-head gates (Voita et al.: Hard Concrete, sampled in training, 0 or 1 at test time),
+   then the output projection.
+
+A pruned layer holds only its kept heads (smaller V and output projections, fewer Q/K rows);
+head specs and ties keep the unpruned numbering.
 
 Heads that share Wq/Wk within a layer compute their logits and softmax once; the distinct
 Q/K "groups" are expanded to heads just before the per-head masks. A layer with only global,
@@ -24,6 +30,7 @@ generator and alignment code use it unchanged.
 """
 
 import math
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,8 +40,10 @@ from fairseq.modules import MultiheadAttention
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
+from ..locality.dynamic_window import DynamicWindow
 from ..locality.fixed_masks import offset_mask
 from ..locality.gaussian import GaussianLocalness
+from ..locality.head_gates import HardConcreteGates
 from ..locality.masked_softmax import safe_softmax
 from ..locality.relative_position import RelativePositions
 from ..locality.spec import LOCALNESS_DEFAULTS, HeadSpec
@@ -61,15 +70,25 @@ class LocalMultiheadAttention(nn.Module):
         localness: Optional[dict] = None,
         relative_max_distance: Optional[int] = None,
         relative_values: bool = False,
+        kept_heads: Optional[Sequence[int]] = None,
+        qk_rows: Optional[Sequence[int]] = None,
+        gates: Optional[dict] = None,
     ):
+        """``num_heads`` and ``head_specs`` describe the unpruned layer; a pruned layer has only
+        ``kept_heads`` of them (and holds the Wq/Wk rows of the heads in ``qk_rows``, which
+        kept heads of this or other layers use). ``gates``: Hard Concrete settings, or None."""
         super().__init__()
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
         self.vdim = vdim if vdim is not None else embed_dim
-        self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
+        all_specs = tuple(head_specs) if head_specs else (HeadSpec(),) * num_heads
+        if len(all_specs) != num_heads:
+            raise ValueError(f"{len(all_specs)} head specs for {num_heads} heads")
+        self.kept_heads = list(range(num_heads)) if kept_heads is None else list(kept_heads)
+        self.num_heads = len(self.kept_heads)
         self.scaling = self.head_dim**-0.5
         self.self_attention = self_attention
         self.encoder_decoder_attention = encoder_decoder_attention
@@ -78,32 +97,45 @@ class LocalMultiheadAttention(nn.Module):
         self.attention_type = attention_type  # encoder_self, decoder_self or decoder_cross
         self.causal = causal  # decoder self-attention: what each query sees grows with it
 
-        self.head_specs = tuple(head_specs) if head_specs else (HeadSpec(),) * num_heads
-        if len(self.head_specs) != num_heads:
-            raise ValueError(f"{len(self.head_specs)} head specs for {num_heads} heads")
+        self.head_specs = tuple(all_specs[h] for h in self.kept_heads)
         self.mask_bounds = [spec.bounds for spec in self.head_specs]
         self.has_head_masks = any(not b.is_global for b in self.mask_bounds)
 
-        # Heads owning their Wq/Wk, in order: their rows in q_proj/k_proj.
-        self.owned_heads = [h for h, s in enumerate(self.head_specs) if s.qk_owner is None]
+        def source(h):
+            return all_specs[h].qk_owner or (layer_index, h)
+
+        # Gaussian localness reads the whole query vector, so its layers keep every Q/K source.
+        gaussian_layer = any(spec.gaussian for spec in all_specs)
+        query_heads = range(num_heads) if gaussian_layer else self.kept_heads
+        # Heads whose Wq/Wk rows live in this layer's q_proj/k_proj, in order.
+        if qk_rows is None:
+            qk_rows = sorted({source(h)[1] for h in query_heads if source(h)[0] == layer_index})
+        self.owned_heads = list(qk_rows)
         # Distinct (layer, head) Wq/Wk sources this layer uses, and each head's source index.
         self.qk_sources: List[Tuple[int, int]] = []
-        head_to_group = []
-        for h, spec in enumerate(self.head_specs):
-            source = spec.qk_owner or (layer_index, h)
-            if source not in self.qk_sources:
-                self.qk_sources.append(source)
-            head_to_group.append(self.qk_sources.index(source))
+        for h in query_heads:
+            if source(h) not in self.qk_sources:
+                self.qk_sources.append(source(h))
+        head_to_group = [self.qk_sources.index(source(h)) for h in self.kept_heads]
         self.num_qk_groups = len(self.qk_sources)
         self.register_buffer("head_to_group", torch.tensor(head_to_group), persistent=False)
-        self.groups_are_heads = head_to_group == list(range(num_heads))
+        self.groups_are_heads = head_to_group == list(range(self.num_heads))
         self.uses_own_qk_only = self.qk_sources == [(layer_index, h) for h in self.owned_heads]
 
         qk_out = len(self.owned_heads) * self.head_dim
+        inner_dim = self.num_heads * self.head_dim
         self.q_proj = nn.Linear(embed_dim, qk_out, bias=bias) if qk_out else None
         self.k_proj = nn.Linear(self.kdim, qk_out, bias=bias) if qk_out else None
-        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, inner_dim, bias=bias) if inner_dim else None
+        # With every head pruned only out_proj's bias is left: the residual path plus a constant.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+            self.out_proj = nn.Linear(inner_dim, embed_dim, bias=bias)
+        self.head_gates = (
+            HardConcreteGates(self.num_heads, gates["temperature"], gates["log_alpha_init"])
+            if gates is not None and self.num_heads
+            else None
+        )
 
         self.gaussian_heads = [h for h, s in enumerate(self.head_specs) if s.gaussian]
         self.localness = None
@@ -128,20 +160,59 @@ class LocalMultiheadAttention(nn.Module):
             if relative_max_distance
             else None
         )
+        self._build_dynamic_windows(bias)
         # Modules holding the Wq/Wk of other layers; kept out of _modules so that a tied
         # parameter is registered (and saved, counted, averaged) exactly once.
         self._qk_owner_modules: Dict[int, "LocalMultiheadAttention"] = {}
         self.reset_parameters()
 
+    def _build_dynamic_windows(self, bias: bool):
+        """Nguyen et al.'s pointers, one DynamicWindow per segment size used in this layer, and
+        the separate local Q/K projections of the additive-window (AW) heads."""
+        window_heads = [h for h, spec in enumerate(self.head_specs) if spec.window]
+        segments = sorted({self.head_specs[h].segment or 0 for h in window_heads})
+        self.window_groups = [
+            [h for h in window_heads if (self.head_specs[h].segment or 0) == seg]
+            for seg in segments
+        ]
+        self.dynamic_windows = nn.ModuleList(
+            DynamicWindow(self.embed_dim, self.kdim, len(heads), self.head_dim, seg or None)
+            for seg, heads in zip(segments, self.window_groups)
+        )
+        order = [h for heads in self.window_groups for h in heads]  # rows of the window masks
+        aw = [i for i, h in enumerate(order) if self.head_specs[h].window == "aw"]
+        mw = [i for i, h in enumerate(order) if self.head_specs[h].window == "mw"]
+        for name, rows in (("aw", aw), ("mw", mw)):
+            self.register_buffer(f"{name}_rows", torch.tensor(rows, dtype=torch.long), False)
+            heads = torch.tensor([order[i] for i in rows], dtype=torch.long)
+            self.register_buffer(f"{name}_heads", heads, False)
+        # A layer whose every head has the same method (the paper's layouts) needs no indexing.
+        every_head = list(range(self.num_heads))
+        self.aw_covers_all_heads = order == every_head and len(aw) == self.num_heads
+        self.mw_covers_all_heads = order == every_head and len(mw) == self.num_heads
+        width = len(aw) * self.head_dim
+        self.local_q_proj = nn.Linear(self.embed_dim, width, bias=bias) if aw else None
+        self.local_k_proj = nn.Linear(self.kdim, width, bias=bias) if aw else None
+
     def reset_parameters(self):
         # Same initialisation as fairseq's MultiheadAttention.
         gain = 1 / math.sqrt(2) if self.kdim == self.vdim == self.embed_dim else 1.0
-        for proj in (self.q_proj, self.k_proj, self.v_proj):
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.local_q_proj, self.local_k_proj)
+        for proj in projections:
             if proj is not None:
                 nn.init.xavier_uniform_(proj.weight, gain=gain)
-        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.num_heads:
+            nn.init.xavier_uniform_(self.out_proj.weight)
         if self.out_proj.bias is not None:
             nn.init.constant_(self.out_proj.bias, 0.0)
+
+    def upgrade_state_dict_named(self, state_dict, name):
+        """Gates added to a model trained without them (pruning by fine-tuning, Voita et al.
+        6.1) start from their initial values instead of failing the strict load."""
+        if self.head_gates is not None:
+            key = f"{name}.head_gates.log_alpha" if name else "head_gates.log_alpha"
+            if key not in state_dict:
+                state_dict[key] = self.head_gates.log_alpha.detach().clone()
 
     # -- tying ------------------------------------------------------------------------------
     def bind_qk_owners(self, attention_by_layer: Sequence["LocalMultiheadAttention"]):
@@ -209,6 +280,8 @@ class LocalMultiheadAttention(nn.Module):
         if need_head_weights:
             need_weights = True
         tgt_len, bsz, _ = query.size()
+        if self.num_heads == 0:
+            return self._without_heads(query, key, need_weights, need_head_weights)
 
         saved_state = None
         if incremental_state is not None:
@@ -219,10 +292,11 @@ class LocalMultiheadAttention(nn.Module):
         q = self._project_qk(query, "q_proj")
         k = self._project_qk(key, "k_proj") if key is not None else None
         v = self._project_v(value) if value is not None else None
+        window_keys = self._project_window_keys(key) if key is not None else {}
 
         if saved_state is not None:
-            k, v, key_padding_mask = self._extend_cached(
-                saved_state, k, v, key_padding_mask, bsz, static_kv
+            k, v, key_padding_mask, window_keys = self._extend_cached(
+                saved_state, k, v, key_padding_mask, bsz, static_kv, window_keys
             )
             self._set_input_buffer(incremental_state, saved_state)
         assert k is not None and v is not None
@@ -242,11 +316,17 @@ class LocalMultiheadAttention(nn.Module):
         if self.relative_positions is not None:
             rel_index = self.relative_positions.index(tgt_len, src_len, q.device)
             logits = logits + self.relative_positions.key_logits(scaled_q, rel_index)
-        per_head = self.localness is not None  # per-head biases need per-head logits
+        # per-head biases need per-head logits
+        per_head = self.localness is not None or bool(self.dynamic_windows)
         if per_head:
-            logits = self._add_localness(
-                self._expand_groups(logits).float(), q, k, key_padding_mask
-            )
+            logits = self._expand_groups(logits).float()
+        if self.localness is not None:
+            logits = self._add_localness(logits, q, k, key_padding_mask)
+        windows = None
+        if self.dynamic_windows:
+            windows = self._window_masks(query, window_keys, key_padding_mask)
+            if self.local_q_proj is not None:
+                logits = self._add_local_window_scores(logits, query, window_keys, windows)
         if attn_mask is not None:
             logits = logits + attn_mask.to(logits.dtype).unsqueeze(0).unsqueeze(0)
         no_key = None  # sentences without a single real key
@@ -267,6 +347,11 @@ class LocalMultiheadAttention(nn.Module):
             probs = self._expand_groups(probs)
         if self.has_head_masks:
             probs = probs * offset_mask(self.mask_bounds, tgt_len, src_len, probs.device)
+        if windows is not None and self.mw_covers_all_heads:
+            probs = probs * windows  # multiplicative window (Eq. 13): softmax(score) * M
+        elif windows is not None and len(self.mw_heads):
+            windowed = probs.index_select(1, self.mw_heads) * windows.index_select(1, self.mw_rows)
+            probs = probs.index_copy(1, self.mw_heads, windowed)
         weights = probs
         probs = self.dropout_module(probs.to(v.dtype))
         out = torch.matmul(probs, v)  # (bsz, heads, tgt, head_dim)
@@ -299,9 +384,48 @@ class LocalMultiheadAttention(nn.Module):
             self.last_localness = (centre.detach(), window.detach())
         return result if every_head else logits.index_add(1, self.gaussian_head_index, result)
 
+    # -- dynamic windows (Nguyen et al.) -----------------------------------------------------
+    def _project_window_keys(self, key: Tensor) -> Dict[str, Tensor]:
+        """The keys of the window pointers and of the AW local scores, each (bsz, heads', len,
+        head_dim): cached with the attention's keys while decoding."""
+        keys = {}
+        key_rows = key.transpose(0, 1)
+        for g, window in enumerate(self.dynamic_windows):
+            keys[f"window{g}"] = window.project_keys(key_rows)
+        if self.local_k_proj is not None:
+            keys["local_key"] = self._split(self.local_k_proj(key))
+        return keys
+
+    def _split(self, x: Tensor) -> Tensor:
+        """(len, bsz, n * head_dim) -> (bsz, n, len, head_dim)."""
+        length, bsz, width = x.shape
+        return x.view(length, bsz, width // self.head_dim, self.head_dim).permute(1, 2, 0, 3)
+
+    def _window_masks(self, query, window_keys, key_padding_mask) -> Tensor:
+        """The soft masks M (bsz, window heads, tgt, src) in float32, groups one after another."""
+        query_rows = query.transpose(0, 1)
+        masks = [
+            window(query_rows, None, key_padding_mask, self.causal, window_keys[f"window{g}"])
+            for g, window in enumerate(self.dynamic_windows)
+        ]
+        return masks[0] if len(masks) == 1 else torch.cat(masks, dim=1)
+
+    def _add_local_window_scores(self, logits, query, window_keys, windows):
+        """Additive window (Eqs. 14-16): the AW heads' logits gain s_loc * M / sqrt(d), from their
+        own local Q/K projections; padding and causal masks come after (M is 0 there)."""
+        local_q = self._split(self.local_q_proj(query)).float() * self.scaling
+        local_scores = torch.matmul(local_q, window_keys["local_key"].float().transpose(-1, -2))
+        if self.aw_covers_all_heads:
+            return logits + local_scores * windows
+        local_scores = local_scores * windows.index_select(1, self.aw_rows)
+        return logits.index_add(1, self.aw_heads, local_scores)
+
     def _can_use_fused(self, need_weights, before_softmax):
         plain_heads = not (
-            self.has_head_masks or self.localness is not None or self.relative_positions is not None
+            self.has_head_masks
+            or self.localness is not None
+            or self.relative_positions is not None
+            or self.dynamic_windows
         )
         return plain_heads and self.groups_are_heads and not (need_weights or before_softmax)
 
@@ -331,20 +455,37 @@ class LocalMultiheadAttention(nn.Module):
         return x.index_select(1, self.head_to_group)
 
     def _merge_heads(self, out: Tensor, tgt_len: int, bsz: int) -> Tensor:
-        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)
+        """Gate each head's output (Voita et al.), concatenate the heads, project."""
+        if self.head_gates is not None:
+            out = out * self.head_gates().to(out.dtype)[None, :, None, None]
+        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads * self.head_dim)
         return self.out_proj(out)
 
+    def _without_heads(self, query, key, need_weights, need_head_weights):
+        """A layer whose heads were all pruned adds out_proj's bias to the residual, nothing
+        else; its attention weights (asked for by alignment code) are zeros."""
+        tgt_len, bsz, _ = query.size()
+        out = self.out_proj(query.new_zeros(tgt_len, bsz, 0))
+        if not need_weights:
+            return out, None
+        src_len = key.size(0) if key is not None else tgt_len
+        shape = (0, bsz, tgt_len, src_len) if need_head_weights else (bsz, tgt_len, src_len)
+        return out, query.new_zeros(shape)
+
     # -- incremental decoding ---------------------------------------------------------------
-    def _extend_cached(self, saved_state, k, v, key_padding_mask, bsz, static_kv):
-        """Append this step's keys/values to the cache (or reuse it for static encoder keys)."""
+    def _extend_cached(self, saved_state, k, v, key_padding_mask, bsz, static_kv, extra_keys):
+        """Append this step's keys/values (and the extra keys of the window mechanisms) to the
+        cache, or reuse the cache for static encoder keys."""
         if "prev_key" in saved_state:
             prev_key, prev_value = saved_state["prev_key"], saved_state["prev_value"]
             assert prev_key is not None and prev_value is not None
+            cached_extra = {name: saved_state[f"prev_{name}"] for name in self._extra_key_names()}
             if static_kv or k is None:
-                k, v = prev_key, prev_value
+                k, v, extra_keys = prev_key, prev_value, cached_extra
             else:
                 k = torch.cat([prev_key, k], dim=2)
                 v = torch.cat([prev_value, v], dim=2)
+                extra_keys = {n: torch.cat([cached_extra[n], extra_keys[n]], 2) for n in extra_keys}
         key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
             key_padding_mask=key_padding_mask,
             prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
@@ -355,7 +496,13 @@ class LocalMultiheadAttention(nn.Module):
         saved_state["prev_key"] = k
         saved_state["prev_value"] = v
         saved_state["prev_key_padding_mask"] = key_padding_mask
-        return k, v, key_padding_mask
+        for name, value in extra_keys.items():
+            saved_state[f"prev_{name}"] = value
+        return k, v, key_padding_mask, extra_keys
+
+    def _extra_key_names(self) -> List[str]:
+        names = [f"window{g}" for g in range(len(self.dynamic_windows))]
+        return names + (["local_key"] if self.local_k_proj is not None else [])
 
     @torch.jit.export
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):

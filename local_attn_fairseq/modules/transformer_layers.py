@@ -30,6 +30,9 @@ def local_attention(cfg, locality: LocalitySpec, attn_type: str, layer_index: in
         localness=locality.localness,
         relative_max_distance=locality.relative_max_distance(attn_type),
         relative_values=bool(locality.relative_positions["values"]),
+        kept_heads=locality.kept_heads(attn_type, layer_index),
+        qk_rows=locality.qk_rows(attn_type, layer_index),
+        gates=locality.gate_settings(attn_type),
         **kwargs,
     )
 

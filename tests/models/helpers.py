@@ -3,7 +3,7 @@
 import torch
 from fairseq import options, tasks
 
-from ..conftest import USER_DIR
+from ..conftest import USER_DIR, fairseq_cli
 
 
 def build_model(data_bin, arch, *extra):
@@ -41,3 +41,29 @@ def assert_incremental_decoding_matches_full_forward(model, task):
             for t in range(prev.size(1))
         ]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+
+
+def generate(data, checkpoint, *extra):
+    proc = fairseq_cli(
+        "fairseq-generate",
+        data / "bin",
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        checkpoint,
+        "--gen-subset",
+        "test",
+        "--beam",
+        2,
+        "--max-len-b",
+        8,
+        "--batch-size",
+        16,
+        "--num-workers",
+        0,
+        *extra,
+    )
+    hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
+    assert len(hypotheses) == 40, proc.stdout[-2000:]
+    assert "BLEU" in proc.stdout
+    return proc

@@ -7,39 +7,13 @@ import torch
 from fairseq import checkpoint_utils
 
 from ..conftest import TINY_MODEL, TRAIN, USER_DIR, fairseq_cli, train_tiny
-from .helpers import build_model
+from .helpers import build_model, generate
 from .test_parameter_counts import PAPER_COUNTS
 
 DECODER_LOCAL = (
     "{decoder_self: {all: [band-1, prev-1, prev-2, identity, global, global, global, global]},"
     " decoder_cross: {all: [global, global@0, global@0, global@0, global, global, global, global]}}"
 )
-
-
-def generate(data, checkpoint, *extra):
-    proc = fairseq_cli(
-        "fairseq-generate",
-        data / "bin",
-        "--user-dir",
-        USER_DIR,
-        "--path",
-        checkpoint,
-        "--gen-subset",
-        "test",
-        "--beam",
-        2,
-        "--max-len-b",
-        8,
-        "--batch-size",
-        16,
-        "--num-workers",
-        0,
-        *extra,
-    )
-    hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
-    assert len(hypotheses) == 40, proc.stdout[-2000:]
-    assert "BLEU" in proc.stdout
-    return proc
 
 
 @pytest.mark.parametrize("preset", [p for p in PAPER_COUNTS if p] + [DECODER_LOCAL])

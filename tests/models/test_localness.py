@@ -1,7 +1,6 @@
 """Gaussian localness and relative positions through fairseq's CLI and model API."""
 
 import pytest
-import torch
 from fairseq import checkpoint_utils
 
 from local_attn_fairseq.analysis.localness import localness_windows

@@ -1,0 +1,77 @@
+"""``--criterion label_smoothed_cross_entropy_l0``: label-smoothed cross-entropy plus lambda times
+the L0 relaxation of the head gates, L = L_xent + lambda L_C (Voita et al. 2019, Section 6.1).
+
+fairseq sums the loss over the batch's tokens and divides the gradient by the sample size, so the
+penalty enters as lambda * L_C * sample_size: lambda weighs L_C against the per-token
+cross-entropy, as in the paper. The model is asked for its penalty (``head_gate_penalty``);
+the logs show L_C and the number of heads open under the test-time gates, per attention type.
+"""
+
+from dataclasses import dataclass, field
+
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+from fairseq.logging import metrics
+
+ATTENTION_TYPE_LOG_NAMES = {
+    "encoder_self": "open_enc",
+    "decoder_self": "open_dec",
+    "decoder_cross": "open_cross",
+}
+
+
+@dataclass
+class LabelSmoothedCrossEntropyL0Config(LabelSmoothedCrossEntropyCriterionConfig):
+    l0_lambda: float = field(
+        default=0.01,
+        metadata={"help": "weight lambda of the L0 penalty on the head gates (Voita et al.)"},
+    )
+
+
+@register_criterion("label_smoothed_cross_entropy_l0", dataclass=LabelSmoothedCrossEntropyL0Config)
+class LabelSmoothedCrossEntropyL0Criterion(LabelSmoothedCrossEntropyCriterion):
+    def __init__(
+        self,
+        task,
+        sentence_avg,
+        label_smoothing,
+        ignore_prefix_size=0,
+        report_accuracy=False,
+        l0_lambda=0.01,
+    ):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        if l0_lambda < 0:
+            raise ValueError(f"--l0-lambda must be >= 0, got {l0_lambda}")
+        self.l0_lambda = l0_lambda
+
+    def forward(self, model, sample, reduce=True):
+        loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
+        if not hasattr(model, "head_gate_penalty"):
+            raise ValueError(
+                f"{type(model).__name__} has no head gates; label_smoothed_cross_entropy_l0 "
+                "needs a local_attn_fairseq model trained with --head-gates"
+            )
+        penalty = model.head_gate_penalty()
+        loss = loss + self.l0_lambda * penalty * sample_size
+        logging_output["loss"] = loss.data
+        logging_output["l0_penalty"] = penalty.data
+        logging_output["nbatches"] = 1
+        for attn_type, layers in model.open_heads().items():
+            logging_output[ATTENTION_TYPE_LOG_NAMES[attn_type]] = sum(layers.values())
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        batches = sum(log.get("nbatches", 0) for log in logging_outputs)
+        if not batches:
+            return
+        penalty = sum(float(log.get("l0_penalty", 0)) for log in logging_outputs)
+        metrics.log_scalar("l0_penalty", penalty / batches, batches, round=2)
+        for name in ATTENTION_TYPE_LOG_NAMES.values():
+            if any(name in log for log in logging_outputs):
+                total = sum(log.get(name, 0) for log in logging_outputs)
+                metrics.log_scalar(name, total / batches, batches, round=1)

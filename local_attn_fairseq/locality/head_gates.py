@@ -1,0 +1,109 @@
+"""Per-head gates with the Hard Concrete L0 relaxation (Voita et al. 2019, Section 6).
+
+Each head h has a scalar gate g_h, independent of the input, that multiplies its output before
+the output projection: MultiHead = Concat(g_h head_h) W_O. In training g_h is drawn for every
+batch from a Hard Concrete distribution (Louizos et al. 2018) with parameter log_alpha_h:
+
+    u ~ U(0, 1),  s = sigmoid((log u - log(1 - u) + log_alpha) / beta),
+    g = min(1, max(0, s * (zeta - gamma) + gamma))
+
+with temperature beta (2/3 by default; Voita et al.'s own code used 0.33) and the stretch
+(gamma, zeta) = (-0.1, 1.1). The clipping puts probability mass on exactly 0 and 1:
+
+    P(g = 0) = sigmoid(beta * log(-gamma / zeta) - log_alpha)
+    P(g = 1) = sigmoid(log_alpha - beta * log((1 - gamma) / (zeta - 1)))
+
+The L0 relaxation is L_C = sum_h (1 - P(g_h = 0)), in closed form. At test time each gate is 0
+or 1, whichever of P(g = 0), P(g = 1) is larger (the paper's footnote 7).
+"""
+
+import math
+from typing import Dict, Iterable, Tuple
+
+import torch
+from torch import Tensor, nn
+
+DEFAULT_TEMPERATURE = 2.0 / 3.0
+STRETCH = (-0.1, 1.1)
+# log_alpha = 3 starts a gate nearly surely non-zero (P(g = 0) ~ 0.01 at beta = 2/3): gates are
+# added to a converged model, which should at first keep translating as before.
+DEFAULT_LOG_ALPHA_INIT = 3.0
+# Uniform noise is kept away from 0 and 1 so that log u and log(1 - u) stay finite.
+_NOISE_EPS = 1e-6
+
+
+class HardConcreteGates(nn.Module):
+    """One Hard Concrete gate per head; ``forward()`` gives the gate values (num_heads,)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        temperature: float = DEFAULT_TEMPERATURE,
+        log_alpha_init: float = DEFAULT_LOG_ALPHA_INIT,
+        stretch: Tuple[float, float] = STRETCH,
+    ):
+        super().__init__()
+        gamma, zeta = stretch
+        if not temperature > 0:
+            raise ValueError(f"head gate temperature must be positive, got {temperature}")
+        if not (gamma < 0 and zeta > 1):
+            raise ValueError(f"head gate stretch must satisfy gamma < 0 < 1 < zeta, got {stretch}")
+        self.num_heads = num_heads
+        self.temperature = float(temperature)
+        self.gamma, self.zeta = float(gamma), float(zeta)
+        self.log_alpha = nn.Parameter(torch.full((num_heads,), float(log_alpha_init)))
+
+    def prob_closed(self) -> Tensor:
+        """P(g_h = 0) per head, differentiable in log_alpha."""
+        shift = self.temperature * math.log(-self.gamma / self.zeta)
+        return torch.sigmoid(shift - self.log_alpha)
+
+    def prob_open(self) -> Tensor:
+        """P(g_h = 1) per head."""
+        shift = self.temperature * math.log((1 - self.gamma) / (self.zeta - 1))
+        return torch.sigmoid(self.log_alpha - shift)
+
+    def l0_penalty(self) -> Tensor:
+        """L_C = sum_h (1 - P(g_h = 0)): the expected number of non-zero gates."""
+        return (1 - self.prob_closed()).sum()
+
+    def deterministic(self) -> Tensor:
+        """Test-time gates: 1 where P(g = 1) > P(g = 0), else 0."""
+        return (self.prob_open() > self.prob_closed()).to(self.log_alpha.dtype)
+
+    def sample(self) -> Tensor:
+        u = torch.rand_like(self.log_alpha).clamp(_NOISE_EPS, 1 - _NOISE_EPS)
+        s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + self.log_alpha) / self.temperature)
+        return (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
+
+    def forward(self) -> Tensor:
+        return self.sample() if self.training else self.deterministic()
+
+    def extra_repr(self):
+        return f"heads={self.num_heads}, temperature={self.temperature:.3g}"
+
+
+def gated_attention_modules(model: nn.Module) -> Iterable[nn.Module]:
+    """The attention modules of ``model`` that carry head gates."""
+    for module in model.modules():
+        if getattr(module, "head_gates", None) is not None:
+            yield module
+
+
+def l0_penalty(model: nn.Module) -> Tensor:
+    """The sum of L_C over every gated attention module of the model."""
+    terms = [m.head_gates.l0_penalty() for m in gated_attention_modules(model)]
+    if not terms:
+        raise ValueError(
+            "the model has no head gates: train it with --head-gates (e.g. --head-gates enc)"
+        )
+    return torch.stack(terms).sum()
+
+
+def open_heads(model: nn.Module) -> Dict[str, Dict[int, int]]:
+    """{attention type: {layer: heads whose test-time gate is open}} for every gated module."""
+    counts: Dict[str, Dict[int, int]] = {}
+    for module in gated_attention_modules(model):
+        n_open = int(module.head_gates.deterministic().sum().item())
+        counts.setdefault(module.attention_type, {})[module.layer_index] = n_open
+    return counts

@@ -1,0 +1,235 @@
+"""What every model of the plugin shares: the locality options on the command line, the spec
+they build for a model of a given shape, the dynamic-window defaults of the archs, and the
+head-gate queries the L0 criterion makes.
+"""
+
+from ..locality import head_gates
+from ..locality.gaussian import WINDOW_STRATEGIES
+from ..locality.spec import LocalitySpec, LocalitySpecError, load_spec_config, preset_names
+
+
+def locality_spec_for_attention(cfg, num_layers: dict, num_heads: dict, model_name: str):
+    """The validated spec, from the locality options, of a model with the attention types (and
+    their layer and head counts) in ``num_layers`` and ``num_heads``: settings for a type the
+    model lacks (a language model has no encoder) are refused."""
+    types = ", ".join(num_layers)
+    try:
+        config = with_command_line_settings(
+            load_spec_config(getattr(cfg, "locality_config", None)), cfg
+        )
+        _check_relative_position_types(config, num_layers)
+        return LocalitySpec(config, num_layers, num_heads)
+    except LocalitySpecError as e:
+        raise LocalitySpecError(
+            f"invalid locality spec (--locality-config and the options that add to it) for "
+            f"{model_name} (attention types: {types}): {e}"
+        ) from None
+
+
+def _check_relative_position_types(config: dict, num_layers: dict):
+    """Relative positions default to both self-attention types, so the spec ignores a missing
+    one; a type the user names explicitly must exist, or the setting would silently vanish."""
+    named = (config.get("relative_positions") or {}).get("attention")
+    if isinstance(named, str):
+        named = [t.strip() for t in named.split(",")]
+    missing = [t for t in named or [] if t not in num_layers]
+    if missing:
+        raise LocalitySpecError(
+            f"relative_positions: this model has no {', '.join(missing)} attention"
+        )
+
+
+def with_command_line_settings(config: dict, cfg) -> dict:
+    """The spec with the --localness-* and --relative-positions* options written into it.
+
+    Setting a key to the same value twice changes nothing, so rebuilding a model from a
+    checkpoint (whose stored spec already holds these settings) gives the same spec.
+    """
+    config = dict(config)
+    localness = dict(config.get("localness") or {})
+    for option, key in (
+        ("localness_window", "window"),
+        ("localness_fixed_window", "fixed_window"),
+        ("localness_max_window", "max_window"),
+    ):
+        if getattr(cfg, option, None) is not None:
+            localness[key] = getattr(cfg, option)
+    if getattr(cfg, "localness_layers", None):
+        layers = dict(localness.get("layers") or {})
+        for entry in cfg.localness_layers.split():
+            attn_type, sep, selector = entry.partition(":")
+            if not sep:
+                raise LocalitySpecError(
+                    f"--localness-layers entry {entry!r} is not ATTENTION_TYPE:LAYERS "
+                    "(e.g. encoder_self:0-2)"
+                )
+            layers[attn_type] = selector
+        localness["layers"] = layers
+    if localness:
+        config["localness"] = localness
+    rel = dict(config.get("relative_positions") or {})
+    if getattr(cfg, "relative_positions", None) is not None:
+        rel["max_distance"] = cfg.relative_positions
+    if getattr(cfg, "relative_positions_values", False):
+        rel["values"] = True
+    if getattr(cfg, "relative_positions_attention", None):
+        rel["attention"] = cfg.relative_positions_attention.split(",")
+    if rel:
+        config["relative_positions"] = rel
+    windows = dict(config.get("dynamic_window") or {})
+    if getattr(cfg, "dynamic_window_segment_size", None) is not None:
+        windows["segment_size"] = cfg.dynamic_window_segment_size
+    if getattr(cfg, "dynamic_window", None):
+        layers = dict(windows.get("layers") or {})
+        for entry in cfg.dynamic_window.split():
+            attn_type, sep, rest = entry.partition(":")
+            if not sep:
+                raise LocalitySpecError(
+                    f"--dynamic-window entry {entry!r} is not TYPE:METHOD:LAYERS "
+                    "(e.g. encoder_self:aw:0-2)"
+                )
+            if rest == "none":
+                layers.pop(attn_type, None)
+            else:
+                layers[attn_type] = rest
+        windows["layers"] = layers
+    if windows:
+        config["dynamic_window"] = windows
+    gates = dict(config.get("head_gates") or {})
+    if getattr(cfg, "head_gates", None):
+        given = cfg.head_gates.strip()
+        gates["attention"] = [] if given == "none" else [t for t in given.split(",") if t]
+    if getattr(cfg, "head_gate_temperature", None) is not None:
+        gates["temperature"] = cfg.head_gate_temperature
+    if getattr(cfg, "head_gate_log_alpha_init", None) is not None:
+        gates["log_alpha_init"] = cfg.head_gate_log_alpha_init
+    if gates:
+        config["head_gates"] = gates
+    if getattr(cfg, "heads_kept", None):
+        config["heads_kept"] = load_spec_config(cfg.heads_kept)
+    return config
+
+
+def add_locality_args(parser):
+    """The options of every plugin model: the locality spec and its command-line shortcuts."""
+    parser.add_argument(
+        "--locality-config",
+        type=str,
+        metavar="NAME_OR_PATH",
+        help="locality spec: a preset ("
+        + ", ".join(preset_names())
+        + "), a YAML file, or an inline YAML mapping such as "
+        '"{encoder_self: {all: [band-1, band-2, global, ...]}}"',
+    )
+    parser.add_argument(
+        "--localness-layers",
+        type=str,
+        metavar="TYPE:LAYERS ...",
+        help="give every head of these layers Yang et al.'s Gaussian localness bias, e.g. "
+        "'encoder_self:0-2 decoder_cross:all' (types: encoder_self, decoder_self, decoder_cross)",
+    )
+    parser.add_argument(
+        "--localness-window",
+        choices=WINDOW_STRATEGIES,
+        help="how Gaussian heads choose their window (Yang et al. Sec. 3.3; default query)",
+    )
+    parser.add_argument(
+        "--localness-fixed-window",
+        type=float,
+        metavar="D",
+        help="window of the 'fixed' strategy (default 10)",
+    )
+    parser.add_argument(
+        "--localness-max-window",
+        type=float,
+        metavar="N",
+        help="largest window of the 'head' strategy, D = N sigmoid(z) (default 50)",
+    )
+    parser.add_argument(
+        "--relative-positions",
+        type=int,
+        metavar="K",
+        help="Shaw et al. relative position representations clipped at distance K",
+    )
+    parser.add_argument(
+        "--relative-positions-values",
+        action="store_true",
+        help="also add relative position representations to the values",
+    )
+    parser.add_argument(
+        "--relative-positions-attention",
+        type=str,
+        metavar="TYPES",
+        help="comma-separated self-attention types with relative positions "
+        "(default encoder_self,decoder_self)",
+    )
+    parser.add_argument(
+        "--dynamic-window",
+        type=str,
+        metavar="TYPE:METHOD:LAYERS ...",
+        help="Nguyen et al.'s dynamic windows on every head of these layers, e.g. "
+        "'encoder_self:aw:0-2 decoder_cross:aw-seg:0-2 decoder_self:mw:0-2' (METHOD: mw, aw, "
+        "mw-seg, aw-seg; -seg masks by segments of --dynamic-window-segment-size keys)",
+    )
+    parser.add_argument(
+        "--dynamic-window-segment-size",
+        type=int,
+        metavar="B",
+        help="segment size b of segment-based windows (default 5)",
+    )
+    parser.add_argument(
+        "--head-gates",
+        type=str,
+        metavar="TYPES",
+        help="Hard Concrete gates on the heads of these attention types, for L0 pruning "
+        "(Voita et al. 2019): comma-separated enc, dec, cross (or none); train with "
+        "--criterion label_smoothed_cross_entropy_l0",
+    )
+    parser.add_argument(
+        "--head-gate-temperature",
+        type=float,
+        metavar="BETA",
+        help="Hard Concrete temperature (default 2/3; Voita et al.'s code used 0.33)",
+    )
+    parser.add_argument(
+        "--head-gate-log-alpha-init",
+        type=float,
+        metavar="A",
+        help="initial log alpha of every gate (default 3: P(gate = 0) about 0.01)",
+    )
+    parser.add_argument(
+        "--heads-kept",
+        type=str,
+        metavar="YAML",
+        help="heads each layer keeps, per attention type, e.g. "
+        "'{encoder_self: [2, 2, 1, 0, 3, 4]}' (counts) or lists of head indices; written "
+        "by scripts/prune_heads.py, or given to train a pruned shape from scratch",
+    )
+
+
+def first_layers(n, num_layers):
+    """Selector of the first n layers, or of all of them in a shallower model."""
+    return f"0-{min(n, num_layers) - 1}"
+
+
+def default_dynamic_window(args, layout: dict):
+    """An arch's default windows, {attention type: "METHOD:LAYERS"}, for the attention types that
+    neither --dynamic-window nor the spec of --locality-config sets ("TYPE:none" turns one off)."""
+    given = getattr(args, "dynamic_window", None) or ""
+    named = {entry.partition(":")[0] for entry in given.split()}
+    config = load_spec_config(getattr(args, "locality_config", None))
+    named |= set((config.get("dynamic_window") or {}).get("layers") or {})
+    defaults = [f"{t}:{v}" for t, v in layout.items() if t not in named]
+    args.dynamic_window = " ".join([given, *defaults]).strip() or None
+
+
+class HeadGateQueries:
+    """Mixed into every plugin model: what the L0 criterion asks (Voita et al.)."""
+
+    def head_gate_penalty(self):
+        """The L0 relaxation L_C summed over the model's head gates."""
+        return head_gates.l0_penalty(self)
+
+    def open_heads(self):
+        """{attention type: {layer: open heads}} under the test-time gates."""
+        return head_gates.open_heads(self)

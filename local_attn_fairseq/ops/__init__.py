@@ -1,0 +1,9 @@
+"""Operators of the plugin: banded (local) self-attention in O(T * w) time and memory.
+
+``banded_attention`` is the entry point; ``banded_reference`` holds its pure-PyTorch
+implementation (the fallback when the C++/CUDA extension is not built, and the tests' reference).
+"""
+
+from .banded_attention import banded_attention, draw_dropout_keep, extension_info, use_extension
+
+__all__ = ["banded_attention", "draw_dropout_keep", "extension_info", "use_extension"]

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Build a subject-verb agreement classification set from the English side of the Ding corpus.
+
+Every sentence of ``scripts/prepare_ding.py``'s ``{train,valid,test}.en`` that holds an agreement
+verb (is/are, was/were, has/have, does/do and their negated contractions) gives a minimal pair:
+the sentence itself, labelled ``grammatical``, and a copy with the number of one such verb
+flipped (chosen at random, seeded), labelled ``ungrammatical``. The two differ in one word, so
+only the agreement of that verb with its subject tells them apart (Linzen et al. 2016's SVA task,
+the third column of Nguyen et al.'s Table 5). A few flips stay acceptable (collective nouns, "if
+I was"); the subjunctive "I/he/she/it were" is never flipped for that reason.
+
+Text is lower-cased and punctuation split off. The splits follow the Ding splits, so no test
+sentence is seen in training. Output, in the layout of fairseq's ``sentence_prediction`` task::
+
+    OUT/raw/{train,valid,test}.{input0,label}     text, one example per line
+    OUT/input0/{dict.txt,train.bin,...}           binarised by fairseq-preprocess --only-source
+    OUT/label/{dict.txt,train.bin,...}
+
+It also prints the test accuracy of a baseline that sees only which agreement verb forms a
+sentence contains (naive Bayes over the forms), i.e. what can be had without the subject.
+"""
+
+import argparse
+import collections
+import math
+import os
+import random
+import re
+
+SPLITS = ("train", "valid", "test")
+GRAMMATICAL, UNGRAMMATICAL = "grammatical", "ungrammatical"
+_PAIRS = [
+    ("is", "are"),
+    ("was", "were"),
+    ("has", "have"),
+    ("does", "do"),
+    ("isn't", "aren't"),
+    ("wasn't", "weren't"),
+    ("hasn't", "haven't"),
+    ("doesn't", "don't"),
+]
+FLIP = {**dict(_PAIRS), **{plural: singular for singular, plural in _PAIRS}}
+SUBJUNCTIVE_SUBJECTS = {"i", "he", "she", "it"}  # "if I were": were -> was would stay grammatical
+_TOKEN = re.compile(r"\w+(?:'\w+)*|[^\w\s]")
+
+
+def tokenize(sentence):
+    return _TOKEN.findall(sentence.replace("\u2019", "'").lower())
+
+
+def flippable_positions(tokens):
+    """Positions of agreement verbs whose number can be flipped into an agreement error."""
+    return [
+        i
+        for i, token in enumerate(tokens)
+        if token in FLIP
+        and not (token.startswith("were") and i > 0 and tokens[i - 1] in SUBJUNCTIVE_SUBJECTS)
+    ]
+
+
+def minimal_pair(tokens, rng):
+    """(grammatical, ungrammatical) token lists, or None when nothing can be flipped."""
+    positions = flippable_positions(tokens)
+    if not positions:
+        return None
+    position = rng.choice(positions)
+    flipped = list(tokens)
+    flipped[position] = FLIP[tokens[position]]
+    return tokens, flipped
+
+
+def make_examples(sentences, seed):
+    """[(tokens, label)]: both halves of each sentence's minimal pair."""
+    rng = random.Random(seed)
+    examples = []
+    for sentence in sentences:
+        pair = minimal_pair(tokenize(sentence), rng)
+        if pair:
+            examples += [(pair[0], GRAMMATICAL), (pair[1], UNGRAMMATICAL)]
+    return examples
+
+
+def write_raw(examples, raw_dir, split):
+    os.makedirs(raw_dir, exist_ok=True)
+    with open(os.path.join(raw_dir, f"{split}.input0"), "w", encoding="utf-8") as text, open(
+        os.path.join(raw_dir, f"{split}.label"), "w", encoding="utf-8"
+    ) as labels:
+        for tokens, label in examples:
+            text.write(" ".join(tokens) + "\n")
+            labels.write(label + "\n")
+
+
+def binarize(raw_dir, out_dir, field, workers):
+    """fairseq-preprocess --only-source of one field into OUT/FIELD (its dictionary from train)."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    prefix = {split: os.path.join(raw_dir, f"{split}.{field}") for split in SPLITS}
+    args = options.get_preprocessing_parser().parse_args(
+        ["--only-source", "--trainpref", prefix["train"], "--validpref", prefix["valid"],
+         "--testpref", prefix["test"], "--destdir", os.path.join(out_dir, field),
+         "--workers", str(workers)]
+    )  # fmt: skip
+    preprocess.main(args)
+
+
+def verb_forms(tokens):
+    return [t for t in tokens if t in FLIP]
+
+
+def verb_form_baseline(train, test):
+    """Test accuracy of naive Bayes over the agreement verb forms alone (add-one smoothing)."""
+    counts = {label: collections.Counter() for label in (GRAMMATICAL, UNGRAMMATICAL)}
+    for tokens, label in train:
+        counts[label].update(verb_forms(tokens))
+    totals = {label: sum(c.values()) + len(FLIP) for label, c in counts.items()}
+
+    def score(tokens, label):
+        return sum(math.log((counts[label][f] + 1) / totals[label]) for f in verb_forms(tokens))
+
+    correct = sum(
+        max(counts, key=lambda label: score(tokens, label)) == gold for tokens, gold in test
+    )
+    return correct / max(len(test), 1)
+
+
+def read_sentences(ding_dir, split):
+    with open(os.path.join(ding_dir, f"{split}.en"), encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--ding-dir", required=True, help="output of scripts/prepare_ding.py ({split}.en)"
+    )
+    parser.add_argument("--out-dir", required=True, help="data directory for sentence_prediction")
+    parser.add_argument("--seed", type=int, default=1, help="which verb of a sentence is flipped")
+    parser.add_argument("--workers", type=int, default=1, help="fairseq-preprocess workers")
+    args = parser.parse_args(argv)
+
+    raw_dir = os.path.join(args.out_dir, "raw")
+    examples = {}
+    for offset, split in enumerate(SPLITS):
+        examples[split] = make_examples(read_sentences(args.ding_dir, split), args.seed + offset)
+        write_raw(examples[split], raw_dir, split)
+    for field in ("input0", "label"):
+        binarize(raw_dir, args.out_dir, field, args.workers)
+    sizes = ", ".join(f"{split} {len(examples[split])}" for split in SPLITS)
+    baseline = verb_form_baseline(examples["train"], examples["test"])
+    print(f"| subject-verb agreement from Ding: {sizes} examples -> {args.out_dir}")
+    print(
+        f"| verb-form baseline (naive Bayes over the verb forms only): test accuracy {baseline:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+import math
+
+import pytest
+import torch
+
+from local_attn_fairseq.locality.head_gates import HardConcreteGates
+
+
+@pytest.mark.parametrize("temperature", [2 / 3, 0.33])
+def test_sampled_zero_and_one_frequencies_match_the_closed_forms(temperature):
+    torch.manual_seed(0)
+    gates = HardConcreteGates(5, temperature=temperature)
+    with torch.no_grad():
+        gates.log_alpha.copy_(torch.tensor([-3.0, -0.5, 0.0, 0.7, 2.5]))
+    samples = torch.stack([gates.sample() for _ in range(20000)]).detach()
+    assert samples.min() >= 0 and samples.max() <= 1
+    torch.testing.assert_close(
+        (samples == 0).float().mean(0), gates.prob_closed().detach(), atol=0.012, rtol=0
+    )
+    torch.testing.assert_close(
+        (samples == 1).float().mean(0), gates.prob_open().detach(), atol=0.012, rtol=0
+    )
+
+
+def test_closed_form_probabilities_match_the_stretched_concrete_cdf():
+    # P(g = 0) = P(s < -gamma / (zeta - gamma)) for s ~ BinConcrete(alpha, beta).
+    beta, log_alpha = 0.5, 0.3
+    gates = HardConcreteGates(1, temperature=beta)
+    with torch.no_grad():
+        gates.log_alpha.fill_(log_alpha)
+    t = 0.1 / 1.2
+    cdf = 1 / (1 + math.exp(log_alpha - beta * math.log(t / (1 - t))))
+    assert gates.prob_closed().item() == pytest.approx(cdf, rel=1e-6)
+
+
+def test_l0_penalty_gradient_matches_finite_differences():
+    gates = HardConcreteGates(4).double()
+    values = torch.tensor([-1.0, 0.1, 0.5, 3.0], dtype=torch.double)
+    with torch.no_grad():
+        gates.log_alpha.copy_(values)
+    gates.l0_penalty().backward()
+    eps = 1e-6
+    numeric = []
+    for h in range(4):
+        with torch.no_grad():
+            gates.log_alpha.copy_(values)
+            gates.log_alpha[h] += eps
+            up = gates.l0_penalty().item()
+            gates.log_alpha[h] -= 2 * eps
+            down = gates.l0_penalty().item()
+        numeric.append((up - down) / (2 * eps))
+    torch.testing.assert_close(gates.log_alpha.grad, torch.tensor(numeric, dtype=torch.double))
+    assert (gates.log_alpha.grad > 0).all()  # more open gates, more penalty
+
+
+def test_test_time_gates_are_deterministic_zero_or_one():
+    gates = HardConcreteGates(4)
+    with torch.no_grad():
+        gates.log_alpha.copy_(torch.tensor([-2.0, -0.01, 0.01, 5.0]))
+    gates.eval()
+    first = gates()
+    assert first.tolist() == [0.0, 0.0, 1.0, 1.0]  # symmetric stretch: open iff log_alpha > 0
+    assert torch.equal(first, gates())
+    assert torch.equal(first, (gates.prob_open() > gates.prob_closed()).float())
+    gates.train()
+    torch.manual_seed(0)
+    samples = torch.stack([gates() for _ in range(50)])
+    assert ((samples > 0) & (samples < 1)).any()  # training draws relaxed values
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": 0.0}, {"temperature": -1.0}, {"stretch": (0.0, 1.1)}]
+)
+def test_invalid_settings_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        HardConcreteGates(2, **kwargs)
+
+
+def test_gates_are_differentiable_through_samples():
+    torch.manual_seed(0)
+    gates = HardConcreteGates(3, log_alpha_init=0.0)
+    total = torch.stack([gates.sample() for _ in range(20)]).sum()
+    total.backward()
+    assert gates.log_alpha.grad is not None and (gates.log_alpha.grad > 0).all()

@@ -1,0 +1,102 @@
+"""Voita et al.'s workflow through fairseq's CLI: train, fine-tune with gates and the L0
+criterion, prune the closed heads out of the checkpoint, generate from the pruned model."""
+
+import os
+import subprocess
+import sys
+
+import torch
+from fairseq import checkpoint_utils
+
+from ..conftest import REPO, train_tiny
+from .helpers import build_model, generate
+
+SPEC = ("--locality-config", "1loc7tied-all6", "--localness-layers", "encoder_self:1")
+FINETUNE = (
+    "--head-gates", "enc,dec,cross", "--criterion", "label_smoothed_cross_entropy_l0",
+    "--l0-lambda", "2", "--head-gate-log-alpha-init", "0.5", "--lr", "0.05", "--max-update", "6",
+)  # fmt: skip
+# Chosen closed gates: layer 0 head 0 owns the Wq/Wk every other encoder head uses; layer 1 has
+# Gaussian heads (whose projections read all queries); layer 3 loses every head.
+CLOSED = {
+    "encoder.layers.0.self_attn": [0, 5],
+    "encoder.layers.1.self_attn": [1, 2, 3, 7],
+    "encoder.layers.3.self_attn": list(range(8)),
+    "decoder.layers.1.self_attn": [0, 1, 2],
+    "decoder.layers.0.encoder_attn": [4, 5, 6, 7],
+}
+
+
+def prune(checkpoint, output):
+    script = os.path.join(REPO, "scripts", "prune_heads.py")
+    proc = subprocess.run(
+        [sys.executable, script, checkpoint, output], capture_output=True, text=True, check=True
+    )
+    return proc.stdout
+
+
+def hypotheses(proc):
+    return sorted(line for line in proc.stdout.splitlines() if line.startswith(("H-", "D-")))
+
+
+def test_finetune_with_gates_then_prune_and_generate(tiny_data, tmp_path):
+    base, gated_dir = tmp_path / "base", tmp_path / "gated"
+    train_tiny(tiny_data, base, *SPEC, max_update=3)
+    proc = train_tiny(
+        tiny_data, gated_dir, *SPEC, *FINETUNE, "--freeze-decoder",
+        "--finetune-from-model", base / "checkpoint_last.pt",
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert "l0_penalty" in log and "open_enc" in log and "open_cross" in log
+    before = checkpoint_utils.load_checkpoint_to_cpu(str(base / "checkpoint_last.pt"))["model"]
+    after = checkpoint_utils.load_checkpoint_to_cpu(str(gated_dir / "checkpoint_last.pt"))["model"]
+    # Gates moved; the frozen decoder did not (its embeddings are the encoder's, and train).
+    assert not torch.allclose(after["encoder.layers.2.self_attn.head_gates.log_alpha"],
+                              torch.full((8,), 0.5))  # fmt: skip
+    for name, value in before.items():
+        if name.startswith("decoder.") and "embed" not in name and "output_projection" not in name:
+            assert torch.equal(after[name], value), name
+    assert not torch.equal(
+        after["encoder.layers.2.fc1.weight"], before["encoder.layers.2.fc1.weight"]
+    )
+
+    # Close a chosen pattern of gates in the checkpoint, prune, and compare translations.
+    state = torch.load(gated_dir / "checkpoint_last.pt", weights_only=False)
+    for module, heads in CLOSED.items():
+        log_alpha = state["model"][f"{module}.head_gates.log_alpha"]
+        log_alpha.fill_(1.0)
+        log_alpha[heads] = -1.0
+    torch.save(state, tmp_path / "gated.pt")
+    report = prune(tmp_path / "gated.pt", tmp_path / "pruned.pt")
+    assert "encoder_self     48 ->   34 heads" in report, report
+
+    pruned = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "pruned.pt"))["model"]
+    assert pruned["encoder.layers.3.self_attn.out_proj.weight"].shape == (32, 0)
+    assert pruned["encoder.layers.1.self_attn.v_proj.weight"].shape == (4 * 4, 32)
+    assert pruned["encoder.layers.0.self_attn.q_proj.weight"].shape == (4, 32)  # head 0's Wq kept
+    assert not any("head_gates" in k for k in pruned)
+    assert sum(v.numel() for v in pruned.values()) < sum(v.numel() for v in state["model"].values())
+    gated_out = generate(tiny_data, tmp_path / "gated.pt")
+    pruned_out = generate(tiny_data, tmp_path / "pruned.pt")
+    assert hypotheses(pruned_out) == hypotheses(gated_out)
+
+
+def test_pruned_shape_trains_from_scratch(tiny_data, tmp_path):
+    kept = "{encoder_self: [2, 1, 0, 8, 8, 3], decoder_cross: [[1, 6], 8]}"
+    train_tiny(tiny_data, tmp_path, "--heads-kept", kept)
+    generate(tiny_data, tmp_path / "checkpoint_last.pt")
+    model, _, _ = build_model(tiny_data / "bin", "transformer_local", "--heads-kept", kept,
+                              "--encoder-layers", 6, "--decoder-layers", 2)  # fmt: skip
+    heads = [layer.self_attn.num_heads for layer in model.encoder.layers]
+    assert heads == [2, 1, 0, 8, 8, 3]
+    assert model.decoder.layers[0].encoder_attn.kept_heads == [1, 6]
+
+
+def test_prune_refuses_a_checkpoint_without_gates(trained_checkpoint, tmp_path):
+    script = os.path.join(REPO, "scripts", "prune_heads.py")
+    proc = subprocess.run(
+        [sys.executable, script, trained_checkpoint, tmp_path / "out.pt"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0 and "has no head gates" in proc.stderr

@@ -1,0 +1,197 @@
+"""transformer_lm_local / transformer_lm_dynwin through fairseq's language_modeling task: train,
+fairseq-eval-lm, the sequence generator's incremental decoding, and the stored spec."""
+
+import json
+import re
+
+import pytest
+import torch
+from fairseq import checkpoint_utils, tasks
+from fairseq.data import Dictionary
+from fairseq.dataclass.configs import GenerationConfig
+
+from local_attn_fairseq.locality.spec import LocalitySpecError
+
+from ..conftest import USER_DIR, fairseq_cli
+from .helpers import build_model
+
+LM_TINY = (
+    "--task language_modeling --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 "
+    "--tokens-per-sample 64 --sample-break-mode complete"
+).split()
+# fairseq drops a last batch smaller than --required-batch-size-multiple (8): the tiny valid
+# and test sets would be dropped whole.
+LM_TRAIN = (
+    "--required-batch-size-multiple 1 --optimizer adam --lr 1e-3 --max-tokens 1000 --seed 1 "
+    "--num-workers 0 --no-progress-bar --log-interval 1 --no-epoch-checkpoints --max-update 2"
+).split()
+NUMPY_2_COMPAT_ERROR = "module 'numpy' has no attribute 'compat'"
+PROMPT = "The student was"
+
+
+@pytest.fixture(scope="module")
+def lm_data(tiny_data):
+    """The English side of the tiny Ding corpus, binarised for language modelling."""
+    small, dest = tiny_data / "small", tiny_data / "lm-bin"
+    if not (dest / "dict.txt").exists():
+        fairseq_cli(
+            "fairseq-preprocess", "--only-source", "--trainpref", small / "train.en",
+            "--validpref", small / "valid.en", "--testpref", small / "test.en",
+            "--destdir", dest, "--workers", 1,
+        )  # fmt: skip
+    return dest
+
+
+@pytest.fixture(scope="module")
+def trained_lm(lm_data, tmp_path_factory):
+    """fairseq-train of Dec(AW), chosen on the command line, for two updates."""
+    save_dir = tmp_path_factory.mktemp("lm_dynwin_aw")
+    fairseq_cli(
+        "fairseq-train", lm_data, "--user-dir", USER_DIR, "--arch", "transformer_lm_dynwin_tiny",
+        *LM_TINY, *LM_TRAIN, "--dynamic-window", "decoder_self:aw:0-2", "--save-dir", save_dir,
+    )  # fmt: skip
+    return save_dir / "checkpoint_last.pt"
+
+
+def build_lm(lm_data, arch, *extra):
+    model, task, _ = build_model(lm_data, arch, *LM_TINY, *extra)
+    return model.eval(), task
+
+
+def window_layers(model, name):
+    """Indices of the decoder layers whose self-attention has a parameter called ``name``."""
+    params = dict(model.named_parameters())
+    return sorted({int(k.split(".")[2]) for k in params if f".self_attn.{name}" in k})
+
+
+def test_fairseq_eval_lm_reports_perplexity(lm_data, trained_lm):
+    proc = fairseq_cli(
+        "fairseq-eval-lm", lm_data, "--user-dir", USER_DIR, "--path", trained_lm,
+        "--gen-subset", "test", "--sample-break-mode", "complete", "--tokens-per-sample", 64,
+        "--max-tokens", 1000, "--required-batch-size-multiple", 1, "--num-workers", 0,
+    )  # fmt: skip
+    found = re.search(r"Perplexity: ([0-9.]+)", proc.stdout + proc.stderr)
+    assert found, proc.stderr[-2000:]
+    vocab = len(Dictionary.load(str(lm_data / "dict.txt")))
+    # two updates from a random start: finite, and no better than a little below uniform
+    assert 1 < float(found.group(1)) < 2 * vocab
+
+
+def test_checkpoint_describes_itself(trained_lm):
+    """The stored spec alone rebuilds Dec(AW): no --dynamic-window, under the plain arch."""
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(trained_lm))
+    args = state["cfg"]["model"]
+    assert json.loads(args.locality_config)["dynamic_window"]["layers"] == {
+        "decoder_self": "aw:0-2"
+    }
+    args.dynamic_window = None
+    args.arch = args._name = "transformer_lm_local"
+    task = tasks.setup_task(state["cfg"]["task"])
+    model = task.build_model(args)
+    model.load_state_dict(state["model"], strict=True)
+    assert window_layers(model, "local_q_proj") == [0, 1, 2]
+    assert any(".self_attn.dynamic_windows.0.query_pointers" in k for k in state["model"])
+
+
+@pytest.mark.parametrize("method", ["mw", "aw"])
+def test_dynwin_default_is_dec_mw_and_aw_is_selectable(lm_data, method):
+    options = ["--dynamic-window", "decoder_self:aw:0-2"] if method == "aw" else []
+    model, _ = build_lm(lm_data, "transformer_lm_dynwin_tiny", *options)
+    assert window_layers(model, "dynamic_windows") == [0, 1, 2]
+    assert window_layers(model, "local_q_proj") == ([0, 1, 2] if method == "aw" else [])
+    plain, _ = build_lm(lm_data, "transformer_lm_local_tiny")
+    assert window_layers(plain, "dynamic_windows") == []
+
+
+def test_head_gates_give_the_l0_criterion_its_penalty(lm_data):
+    model, _ = build_lm(lm_data, "transformer_lm_dynwin_tiny", "--head-gates", "dec")
+    assert model.head_gate_penalty().item() > 0
+    assert model.open_heads() == {"decoder_self": {0: 4, 1: 4, 2: 4}}
+
+
+def test_without_a_spec_it_is_fairseqs_language_model(lm_data):
+    """Same parameters and outputs as fairseq's LM with base_lm_architecture (transformer_lm_big
+    at these sizes): the plugin changes nothing until a spec asks for locality."""
+    sizes = ["--decoder-layers", 2, "--decoder-attention-heads", 4]
+    ours, task = build_lm(lm_data, "transformer_lm_local", *sizes)
+    theirs, _ = build_lm(lm_data, "transformer_lm_big", *sizes)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    tokens = task.source_dictionary.encode_line("The student was writing .", add_if_not_exist=False)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens.long()[None])[0], theirs(tokens.long()[None])[0])
+
+
+@pytest.mark.parametrize("method", ["mw", "aw"])
+def test_incremental_decoding_matches_full_forward(lm_data, method):
+    torch.manual_seed(0)
+    model, task = build_lm(lm_data, "transformer_lm_dynwin_tiny", "--dynamic-window",
+                           f"decoder_self:{method}:0-1")  # fmt: skip
+    tokens = task.source_dictionary.encode_line(
+        "The student was writing on the board.", add_if_not_exist=False
+    )
+    prev = torch.cat([tokens[-1:], tokens[:-1]]).long()[None]  # eos first, as the task feeds it
+    with torch.no_grad():
+        full, _ = model(prev)
+        state = {}
+        steps = [model(prev[:, : t + 1], incremental_state=state)[0] for t in range(prev.size(1))]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["mw", "aw"])
+def test_sequence_generator_scores_equal_the_full_forward(lm_data, method):
+    """fairseq's generator (beam search over a prompt, incremental state reordered between
+    beams) scores every token of its hypotheses as a full forward pass over them does."""
+    torch.manual_seed(0)
+    model, task = build_lm(lm_data, "transformer_lm_dynwin_tiny", "--dynamic-window",
+                           f"decoder_self:{method}:0-2")  # fmt: skip
+    generator = task.build_generator([model], GenerationConfig(beam=2, max_len_a=0, max_len_b=6))
+    eos = torch.tensor([task.source_dictionary.eos()])
+    prompt = task.source_dictionary.encode_line(PROMPT, add_if_not_exist=False, append_eos=False)
+    prompt = prompt.long()
+    # The batch task.build_dataset_for_inference makes (eos + prompt), built here because that
+    # method needs numpy.compat, which numpy 2 removed.
+    src_tokens = torch.cat([eos, prompt])[None]
+    sample = {
+        "net_input": {"src_tokens": src_tokens, "src_lengths": torch.tensor([src_tokens.size(1)])}
+    }
+    hypotheses = task.inference_step(generator, [model], sample)[0]
+    assert len(hypotheses) == 2
+    for hypo in hypotheses:
+        assert hypo["tokens"][: len(prompt)].tolist() == prompt.tolist()
+        prev = torch.cat([eos, hypo["tokens"][:-1]])[None]
+        with torch.no_grad():
+            lprobs = model.get_normalized_probs(model(prev), log_probs=True)[0]
+        expected = lprobs.gather(-1, hypo["tokens"][:, None]).squeeze(-1)
+        torch.testing.assert_close(hypo["positional_scores"], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fairseq_interactive_continues_prompts(lm_data, trained_lm):
+    proc = fairseq_cli(
+        "fairseq-interactive", lm_data, "--user-dir", USER_DIR, "--task", "language_modeling",
+        "--path", trained_lm, "--beam", 2, "--max-len-b", 4, stdin="It was\nThere is\n",
+        check=False,
+    )  # fmt: skip
+    if NUMPY_2_COMPAT_ERROR in proc.stderr:
+        # fairseq 0.12 builds prompts with np.compat.long, which numpy 2 removed
+        pytest.xfail("the stack needs a numpy.compat shim for language_modeling inference")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hypotheses = [line.split("\t")[2] for line in proc.stdout.splitlines() if line.startswith("H-")]
+    assert [h.split()[:2] for h in hypotheses] == [["It", "was"], ["There", "is"]]
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (["--dynamic-window", "encoder_self:aw:0-2"], "dynamic_window layers encoder_self"),
+        (["--locality-config", "{decoder_cross: {0: [global, global, global, global]}}"],
+         "no decoder_cross attention"),
+        (["--localness-layers", "encoder_self:0"], "no encoder_self attention"),
+        (["--relative-positions", 4, "--relative-positions-attention", "encoder_self"],
+         "relative_positions: this model has no encoder_self attention"),
+        (["--head-gates", "cross"], "no decoder_cross attention"),
+    ],
+)  # fmt: skip
+def test_spec_rejects_encoder_and_cross_attention_settings(lm_data, options, message):
+    with pytest.raises(LocalitySpecError, match=r"attention types: decoder_self\)") as error:
+        build_lm(lm_data, "transformer_lm_local_tiny", *options)
+    assert message in str(error.value)

@@ -1,0 +1,542 @@
+"""banded_attention: the compiled kernels and the PyTorch fallback against a dense reference."""
+
+import contextlib
+import importlib
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from local_attn_fairseq.ops import banded_attention, draw_dropout_keep, extension_info
+
+from .dense_reference import dense_attention, dense_to_band
+
+banded_module = importlib.import_module("local_attn_fairseq.ops.banded_attention")
+
+IMPL_ENV = "LOCAL_ATTN_BANDED_IMPL"
+EXTENSION = extension_info()
+IMPLS = ["extension", "torch"] if EXTENSION["loaded"] else ["torch"]
+needs_extension = pytest.mark.skipif(not EXTENSION["loaded"], reason="extension not built")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+# Tolerances against the float64 dense reference, by input dtype.
+TOLERANCE = {
+    torch.float64: dict(atol=1e-9, rtol=1e-9),
+    torch.float32: dict(atol=2e-4, rtol=2e-4),
+    torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+}
+
+
+@contextlib.contextmanager
+def implementation(name):
+    """Force the extension or the PyTorch fallback (hypothesis cannot use monkeypatch)."""
+    previous = os.environ.get(IMPL_ENV)
+    os.environ[IMPL_ENV] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[IMPL_ENV]
+        else:
+            os.environ[IMPL_ENV] = previous
+
+
+@contextlib.contextmanager
+def one_thread():
+    """For the many small property cases: the thread pools' wake-ups cost more than their work,
+    and far more while other processes load the machine. The parametrized cases above keep
+    torch's default threads, so the kernels' parallel paths are tested there."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    with implementation(request.param):
+        yield request.param
+
+
+def make_qkv(batch, heads, length, dim, dtype=torch.float64, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(batch, heads, length, dim, generator=gen) for _ in range(3)]
+    return [t.to(device=device, dtype=dtype).requires_grad_() for t in tensors]
+
+
+def make_padding(kind, batch, length, seed=0):
+    """(B, T) bool key padding: none, random, fairseq-style left padding, or an empty sentence."""
+    if kind == "none":
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return torch.rand(batch, length, generator=gen) < 0.3
+    if kind == "left":
+        lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+        lengths[0] = length
+        return torch.arange(length)[None, :] < (length - lengths)[:, None]
+    mask = torch.rand(batch, length, generator=gen) < 0.2
+    mask[-1] = True  # kind == "empty_row": a sentence that is all padding
+    return mask
+
+
+def run_and_grad(q, k, v, left, right, padding=None, seed=1, **kwargs):
+    """Output and the gradients of q, k, v under a fixed random upstream gradient."""
+    out = banded_attention(q, k, v, left, right, key_padding_mask=padding, **kwargs)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    grads = torch.autograd.grad(out, (q, k, v), upstream.to(out.device, out.dtype))
+    return out, grads, upstream
+
+
+def dense_and_grad(q, k, v, left, right, padding, upstream, **kwargs):
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    mask = None if padding is None else padding.cpu()
+    out, weights = dense_attention(*leaves, left, right, mask, **kwargs)
+    grads = torch.autograd.grad(out, leaves, upstream.double())
+    return out, grads, weights
+
+
+def assert_matches_dense(q, k, v, left, right, padding=None, **kwargs):
+    out, grads, upstream = run_and_grad(q, k, v, left, right, padding, **kwargs)
+    ref_out, ref_grads, _ = dense_and_grad(q, k, v, left, right, padding, upstream)
+    tol = TOLERANCE[q.dtype]
+    for got, want in zip((out, *grads), (ref_out, *ref_grads)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.detach().cpu().double(), want, **tol)
+
+
+# (batch, heads, length, dim, left, right, padding kind)
+CASES = {
+    "symmetric": (2, 2, 37, 8, 4, 4, "none"),
+    "per_head_asymmetric": (2, 3, 29, 5, [0, 3, 9], [5, 0, 2], "random"),
+    "per_head_tensor": (1, 4, 40, 16, torch.tensor([1, 2, 8, 0]), torch.tensor([0, 7, 8, 3]),
+                        "none"),
+    "left_padded_sentences": (3, 2, 33, 8, 3, 6, "left"),
+    "empty_sentence": (2, 2, 21, 4, 2, 2, "empty_row"),
+    "window_beyond_length": (2, 1, 12, 6, 17, 2, "random"),
+    "self_only": (1, 2, 9, 3, 0, 0, "random"),
+    "crosses_blocks": (1, 2, 150, 16, 40, 70, "random"),
+    "parallel_phases": (2, 2, 400, 32, 90, 30, "random"),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The build.
+
+
+def test_extension_is_built_and_loaded():
+    if os.environ.get("LOCAL_ATTN_NO_EXTENSION") == "1":
+        pytest.skip("LOCAL_ATTN_NO_EXTENSION=1: the build was skipped on purpose")
+    assert EXTENSION["loaded"], EXTENSION.get("error")
+    assert EXTENSION["cpu_isa"] in {"avx512", "avx2", "baseline"}
+    with implementation("auto"):
+        assert banded_module.use_extension(torch.device("cpu"))
+
+
+def test_importing_the_plugin_does_not_load_the_extension():
+    code = "import sys, local_attn_fairseq.ops; print('_banded_C' in ' '.join(sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_missing_extension_falls_back_with_one_warning(monkeypatch):
+    state = banded_module._ExtensionState
+    monkeypatch.setattr(state, "attempted", True)
+    monkeypatch.setattr(state, "module", None)
+    monkeypatch.setattr(state, "error", ImportError("No module named '_banded_C'"))
+    monkeypatch.setattr(state, "warned", set())
+    q, k, v = make_qkv(1, 2, 10, 4)
+    with implementation("auto"):
+        with pytest.warns(RuntimeWarning, match="pip install --no-build-isolation -e"):
+            first = banded_attention(q, k, v, 2, 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            second = banded_attention(q, k, v, 2, 1)
+    torch.testing.assert_close(first, second)
+    with implementation("extension"), pytest.raises(RuntimeError, match="cannot be imported"):
+        banded_attention(q, k, v, 2, 1)
+
+
+def test_unknown_implementation_is_rejected():
+    q, k, v = make_qkv(1, 1, 4, 2)
+    with implementation("triton"), pytest.raises(ValueError, match="auto, extension or torch"):
+        banded_attention(q, k, v, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Values and gradients.
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_matches_dense_reference(impl, case, dtype):
+    batch, heads, length, dim, left, right, padding = CASES[case]
+    q, k, v = make_qkv(batch, heads, length, dim, dtype)
+    assert_matches_dense(q, k, v, left, right, make_padding(padding, batch, length))
+
+
+def test_gradcheck(impl):
+    q, k, v = make_qkv(2, 2, 7, 3)
+    padding = make_padding("empty_row", 2, 7)
+    left, right = [1, 3], [2, 0]
+    assert torch.autograd.gradcheck(
+        lambda *qkv: banded_attention(*qkv, left, right, padding), (q, k, v)
+    )
+
+    def with_dropout(*qkv):
+        torch.manual_seed(3)  # the same mask at every evaluation
+        return banded_attention(*qkv, left, right, padding, dropout_p=0.3)
+
+    with torch.random.fork_rng():
+        assert torch.autograd.gradcheck(with_dropout, (q, k, v))
+
+
+@pytest.mark.parametrize("case", ["per_head_asymmetric", "window_beyond_length", "empty_sentence"])
+def test_return_weights_in_band_layout(impl, case):
+    batch, heads, length, dim, left, right, kind = CASES[case]
+    q, k, v = make_qkv(batch, heads, length, dim)
+    padding = make_padding(kind, batch, length)
+    out, weights = banded_attention(q, k, v, left, right, padding, return_weights=True)
+    max_left = max(left) if isinstance(left, list) else left
+    max_right = max(right) if isinstance(right, list) else right
+    assert weights.shape == (batch, heads, length, max_left + max_right + 1)
+    _, dense_weights = dense_attention(q, k, v, left, right, padding)
+    torch.testing.assert_close(weights, dense_to_band(dense_weights, max_left, max_right))
+    row_sums = weights.sum(-1)
+    assert torch.all(((row_sums - 1).abs() < 1e-9) | (row_sums == 0))
+    torch.testing.assert_close(out, dense_attention(q, k, v, left, right, padding)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_rows_without_keys_give_zeros_and_zero_gradients(impl, dtype):
+    q, k, v = make_qkv(2, 2, 16, 8, dtype)
+    padding = torch.zeros(2, 16, dtype=torch.bool)
+    padding[1] = True  # an all-padding sentence
+    padding[0, ::2] = True  # with left = right = 0, even queries see only a padded key
+    out, grads, _ = run_and_grad(q, k, v, 0, 0, padding)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    assert (out[1] == 0).all() and (out[0, :, ::2] == 0).all()
+    for grad in grads:
+        assert (grad[1] == 0).all()
+        assert (grad[0, :, ::2] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_inputs(impl, dtype):
+    q, k, v = make_qkv(2, 2, 70, 16, dtype)
+    assert_matches_dense(q, k, v, [5, 20], [9, 1], make_padding("left", 2, 70))
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_extension_matches_fallback(dtype):
+    q, k, v = make_qkv(2, 3, 90, 24, dtype)
+    padding = make_padding("random", 2, 90)
+    results = []
+    for name in ("extension", "torch"):
+        with implementation(name), torch.random.fork_rng():
+            torch.manual_seed(7)
+            results.append(run_and_grad(q, k, v, [3, 30, 0], [12, 0, 5], padding, dropout_p=0.2))
+    (out_a, grads_a, _), (out_b, grads_b, _) = results
+    for a, b in zip((out_a, *grads_a), (out_b, *grads_b)):
+        torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+
+
+@needs_extension
+@pytest.mark.parametrize("narrower", ["baseline", "avx2"])
+def test_cpu_kernel_copies_agree(monkeypatch, narrower):
+    order = ["baseline", "avx2", "avx512"]
+    if order.index(EXTENSION["cpu_isa"]) <= order.index(narrower):
+        pytest.skip(f"this CPU's widest copy is {EXTENSION['cpu_isa']}")
+    q, k, v = make_qkv(2, 2, 100, 20, torch.float32)
+    padding = make_padding("random", 2, 100)
+    with implementation("extension"):
+        widest = run_and_grad(q, k, v, [7, 30], [30, 2], padding)
+        monkeypatch.setenv("LOCAL_ATTN_CPU_ISA", narrower)
+        assert banded_module.load_extension().cpu_isa() == narrower
+        other = run_and_grad(q, k, v, [7, 30], [30, 2], padding)
+    for a, b in zip((widest[0], *widest[1]), (other[0], *other[1])):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout.
+
+
+def test_dropout_zero_is_no_dropout_and_draws_nothing(impl):
+    q, k, v = make_qkv(1, 2, 20, 4)
+    rng = torch.get_rng_state()
+    plain = banded_attention(q, k, v, 3, 3)
+    assert torch.equal(banded_attention(q, k, v, 3, 3, dropout_p=0.0), plain)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_dropout_uses_the_band_mask_it_draws(impl):
+    batch, heads, length, dim, left, right = 2, 2, 15, 4, [2, 20], [4, 1]
+    q, k, v = make_qkv(batch, heads, length, dim)
+    padding = make_padding("random", batch, length)
+    with torch.random.fork_rng():
+        torch.manual_seed(11)
+        out, grads, upstream = run_and_grad(q, k, v, left, right, padding, dropout_p=0.4)
+        torch.manual_seed(11)
+        width = min(max(left), length - 1) + min(max(right), length - 1) + 1
+        keep = draw_dropout_keep((batch, heads, length, width), 0.4, q.device)
+    assert 0 < keep.float().mean() < 1
+    ref_out, ref_grads, _ = dense_and_grad(
+        q, k, v, left, right, padding, upstream, keep=keep, dropout_p=0.4
+    )
+    for got, want in zip((out, *grads), (ref_out, *ref_grads)):
+        torch.testing.assert_close(got, want)
+
+
+def test_dropout_preserves_the_expected_output(impl):
+    q, k, v = make_qkv(1, 1, 6, 4)
+    with torch.no_grad():
+        plain = banded_attention(q, k, v, 2, 2)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            draws = torch.stack(
+                [banded_attention(q, k, v, 2, 2, dropout_p=0.2) for _ in range(400)]
+            )
+    torch.testing.assert_close(draws.mean(0), plain, atol=0.1, rtol=0)
+    assert not torch.allclose(draws[0], plain)
+
+
+def test_dropout_one_drops_everything(impl):
+    q, k, v = make_qkv(1, 2, 8, 4)
+    assert (banded_attention(q, k, v, 2, 2, dropout_p=1.0) == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation.
+
+
+def _call(**changes):
+    q, k, v = make_qkv(2, 3, 10, 4)
+    args = dict(q=q, k=k, v=v, left=2, right=2, key_padding_mask=None)
+    args.update(changes)
+    return banded_attention(**args)
+
+
+BAD_CALLS = {
+    "q_not_4d": (dict(q=torch.zeros(3, 10, 4)), "4-D"),
+    "k_shape": (dict(k=torch.zeros(2, 3, 11, 4)), "same shape"),
+    "v_dtype": (dict(v=torch.zeros(2, 3, 10, 4, dtype=torch.float32)), "dtype"),
+    "integer_inputs": (
+        dict(q=torch.zeros(2, 3, 10, 4, dtype=torch.long),
+             k=torch.zeros(2, 3, 10, 4, dtype=torch.long),
+             v=torch.zeros(2, 3, 10, 4, dtype=torch.long)),
+        "floating point",
+    ),
+    "negative_left": (dict(left=-1), ">= 0"),
+    "negative_per_head": (dict(right=[1, -2, 0]), ">= 0"),
+    "per_head_length": (dict(left=torch.tensor([1, 2])), "2 per-head windows for 3 heads"),
+    "float_window_tensor": (dict(left=torch.tensor([1.0, 2.0, 3.0])), "integers"),
+    "window_2d": (dict(right=torch.ones(3, 1, dtype=torch.long)), "1-D"),
+    "bool_window": (dict(left=True), "bool"),
+    "mask_shape": (dict(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
+                   r"\(batch, length\)"),
+    "mask_float": (dict(key_padding_mask=torch.zeros(2, 10)), "bool"),
+    "dropout_range": (dict(dropout_p=1.5), r"\[0, 1\]"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BAD_CALLS, ids=list(BAD_CALLS))
+def test_invalid_arguments_are_rejected(name):
+    changes, message = BAD_CALLS[name]
+    with pytest.raises(ValueError, match=message):
+        _call(**changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The operators as PyTorch sees them.
+
+
+def _forward_samples():
+    q, k, v = make_qkv(2, 2, 19, 5)
+    padding = make_padding("empty_row", 2, 19)
+    q32, k32, v32 = make_qkv(1, 3, 70, 8, torch.float32)
+    keep = torch.rand(1, 3, 70, 13, generator=torch.Generator().manual_seed(0)) > 0.3
+    return [
+        (q, k, v, [2, 2], [2, 2], None, None, 0.5, 0.0),
+        (q, k, v, [0, 5], [3, 1], padding, None, 0.3, 0.0),
+        (q32, k32, v32, [4, 0, 9], [3, 3, 1], None, keep, 0.35, 0.3),
+    ]
+
+
+@needs_extension
+def test_opcheck_forward():
+    for args in _forward_samples():
+        torch.library.opcheck(torch.ops.local_attn.banded_forward.default, args)
+        no_grad = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(torch.ops.local_attn.banded_forward.default, no_grad)
+
+
+@needs_extension
+def test_opcheck_backward():
+    for q, k, v, left, right, padding, keep, scale, p in _forward_samples():
+        q, k, v = (t.detach() for t in (q, k, v))
+        out, lse = torch.ops.local_attn.banded_forward(
+            q, k, v, left, right, padding, keep, scale, p
+        )
+        grad = torch.randn_like(out)
+        args = (grad, q, k, v, out, lse, left, right, padding, keep, scale, p)
+        torch.library.opcheck(torch.ops.local_attn.banded_backward.default, args)
+
+
+@needs_extension
+def test_torch_compile_matches_eager():
+    q, k, v = make_qkv(2, 2, 40, 8, torch.float32)
+    padding = make_padding("left", 2, 40)
+
+    def loss(q, k, v):
+        return (banded_attention(q, k, v, [3, 8], [5, 0], padding) ** 2).sum()
+
+    torch._dynamo.reset()
+    with implementation("extension"):
+        eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+        compiled_loss = torch.compile(loss, backend="aot_eager")
+        compiled = torch.autograd.grad(compiled_loss(q, k, v), (q, k, v))
+    torch._dynamo.reset()
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties over random shapes, windows and padding (hundreds of cases; most sequences short).
+
+
+@st.composite
+def problems(draw):
+    batch, heads = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    short = st.integers(1, 24)
+    length = draw(st.one_of(short, short, short, st.integers(25, 300)))
+    dim = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 17, 32, 64]))
+    window = st.integers(0, length + 5)
+    if draw(st.booleans()):
+        left, right = draw(window), draw(window)
+    else:
+        left = draw(st.lists(window, min_size=heads, max_size=heads))
+        right = draw(st.lists(window, min_size=heads, max_size=heads))
+        if draw(st.booleans()):
+            left, right = torch.tensor(left), torch.tensor(right)
+    padding = draw(st.sampled_from(["none", "random", "left", "empty_row"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return batch, heads, length, dim, left, right, padding, seed
+
+
+PROPERTY_SETTINGS = dict(
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@settings(max_examples=300, **PROPERTY_SETTINGS)
+@given(
+    problem=problems(),
+    impl_name=st.sampled_from(IMPLS),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_property_matches_dense(problem, impl_name, dtype):
+    batch, heads, length, dim, left, right, kind, seed = problem
+    q, k, v = make_qkv(batch, heads, length, dim, dtype, seed)
+    with implementation(impl_name), one_thread():
+        assert_matches_dense(q, k, v, left, right, make_padding(kind, batch, length, seed))
+
+
+@settings(max_examples=100, **PROPERTY_SETTINGS)
+@given(problem=problems(), impl_name=st.sampled_from(IMPLS))
+def test_property_bfloat16(problem, impl_name):
+    batch, heads, length, dim, left, right, kind, seed = problem
+    q, k, v = make_qkv(batch, heads, length, dim, torch.bfloat16, seed)
+    with implementation(impl_name), one_thread():
+        assert_matches_dense(q, k, v, left, right, make_padding(kind, batch, length, seed))
+
+
+@needs_extension
+@settings(max_examples=120, **PROPERTY_SETTINGS)
+@given(problem=problems(), dropout_p=st.sampled_from([0.0, 0.1, 0.5]))
+def test_property_extension_matches_fallback(problem, dropout_p):
+    batch, heads, length, dim, left, right, kind, seed = problem
+    q, k, v = make_qkv(batch, heads, length, dim, torch.float32, seed)
+    padding = make_padding(kind, batch, length, seed)
+    results = []
+    for name in ("extension", "torch"):
+        with implementation(name), torch.random.fork_rng(), one_thread():
+            torch.manual_seed(seed)
+            results.append(run_and_grad(q, k, v, left, right, padding, dropout_p=dropout_p))
+    (out_a, grads_a, _), (out_b, grads_b, _) = results
+    for a, b in zip((out_a, *grads_a), (out_b, *grads_b)):
+        torch.testing.assert_close(a, b, **TOLERANCE[torch.float32])
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (run where a GPU is present).
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_cuda_matches_dense_reference(impl, case, dtype):
+    batch, heads, length, dim, left, right, padding = CASES[case]
+    q, k, v = make_qkv(batch, heads, length, dim, dtype, device="cuda")
+    padding = make_padding(padding, batch, length)
+    assert_matches_dense(q, k, v, left, right, None if padding is None else padding.cuda())
+
+
+@needs_cuda
+@needs_extension
+def test_cuda_kernels_are_built():
+    assert EXTENSION["cuda"], "the extension was built without its CUDA kernels"
+
+
+@needs_cuda
+@needs_extension
+def test_cuda_gradcheck_and_opcheck():
+    q, k, v = make_qkv(2, 2, 11, 3, device="cuda")
+    padding = make_padding("empty_row", 2, 11).cuda()
+    with implementation("extension"):
+        assert torch.autograd.gradcheck(
+            lambda *qkv: banded_attention(*qkv, [1, 4], [3, 0], padding), (q, k, v)
+        )
+    for args in _forward_samples():
+        cuda_args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(torch.ops.local_attn.banded_forward.default, cuda_args)
+
+
+@needs_cuda
+@needs_extension
+def test_cuda_matches_cpu_with_dropout():
+    q, k, v = make_qkv(2, 3, 130, 64, torch.float32)
+    padding = make_padding("random", 2, 130)
+    keep = torch.rand(2, 3, 130, 41) > 0.25
+    args = ([5, 20, 0], [20, 3, 9], padding, keep, 0.125, 0.25)
+    with torch.no_grad():
+        out_cpu, lse_cpu = torch.ops.local_attn.banded_forward(q, k, v, *args)
+        cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        out_gpu, lse_gpu = torch.ops.local_attn.banded_forward(
+            q.cuda(), k.cuda(), v.cuda(), *cuda_args
+        )
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_gpu.cpu(), lse_cpu, atol=1e-5, rtol=1e-5)
+
+
+@needs_cuda
+@needs_extension
+def test_cuda_head_dim_above_the_kernel_limit_falls_back():
+    q, k, v = make_qkv(1, 2, 9, 300, torch.float32, device="cuda")
+    with implementation("auto"):
+        assert not banded_module.use_extension(q.device, 300)
+        with pytest.warns(RuntimeWarning, match="head dim"):
+            assert_matches_dense(q, k, v, 2, 3)
