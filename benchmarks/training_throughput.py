@@ -9,7 +9,8 @@ alternating rounds within one process and the ratio of their median rates is wha
     python benchmarks/training_throughput.py [--candidate ARCH] [--rounds 6] [--batches 20]
 
 Targets: ``transformer_local_tied`` (fixed masks must cost almost nothing) and
-``transformer_localness`` (Yang et al. report 0.925 of the baseline's speed) >= 0.95.
+``transformer_localness`` (Yang et al. report 0.925 of the baseline's speed) >= 0.95;
+``transformer_dynwin`` (Nguyen et al. report 0.87) >= 0.90.
 """
 
 import argparse
@@ -26,6 +27,10 @@ sys.path.insert(0, ROOT)
 
 import demo  # noqa: E402  (the demo's data preparation and model sizes)
 from fairseq import options, tasks  # noqa: E402
+
+# Targets against the baseline; fixed masks and Gaussian localness aim at 0.95. Nguyen et al.
+# report 0.87 for their dynamic windows.
+TARGETS = {"transformer_dynwin": 0.90}
 
 
 def build(bin_dir, arch, extra, dims):
@@ -125,7 +130,8 @@ def main():
     per_round = [l / b for b, l in zip(rates[labels[0]], rates[labels[1]])]
     print(
         f"\nratio {labels[1]} / {labels[0]}: {local / base:.3f} "
-        f"(per round: {', '.join(f'{x:.3f}' for x in per_round)}); target >= 0.95"
+        f"(per round: {', '.join(f'{x:.3f}' for x in per_round)}); "
+        f"target >= {TARGETS.get(args.candidate, 0.95):.2f}"
     )
 
 

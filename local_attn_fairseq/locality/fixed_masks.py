@@ -11,7 +11,14 @@ name            offsets          query ``i`` attends to
 ``prev-k``      [-k, -k]         the token ``k`` places before it (``i-k``)
 ``next-k``      [+k, +k]         the token ``k`` places after it (``i+k``)
 ``band-k``      [-k, +k]         the window ``i-k .. i+k``
+``local-k``     [-k, +k]         the same window, softmax renormalised in it
+``local-l-r``   [-l, +r]         the window ``i-l .. i+r``, renormalised
 ==============  ===============  ==========================================
+
+Pande's masks (``identity``, ``prev``, ``next``, ``band``) multiply the weights of a softmax over
+all keys, so the weights inside need not sum to one. ``local`` heads are local attention proper
+(Alastruey et al.): the softmax runs over the window's keys only, and the banded operator
+computes them without any T x T matrix.
 
 The paper's text defines prev-k by ``j - i = k`` but also as the identity shifted left, and
 motivates prev masks with a period attending to the tokens before it; we follow the motivation:
@@ -25,14 +32,20 @@ import torch
 
 UNBOUNDED = None
 _MASK_NAME = re.compile(r"^(band|prev|next)-(-?\d+)$")
-MASK_SYNTAX = "global, identity, band-K, prev-K or next-K (K a non-negative integer)"
+_LOCAL_NAME = re.compile(r"^local-(-?\d+)(?:-(-?\d+))?$")
+MASK_SYNTAX = (
+    "global, identity, band-K, prev-K, next-K, local-K or local-L-R (non-negative integers)"
+)
 
 
 class MaskBounds(NamedTuple):
-    """Allowed relative offsets ``lo <= j - i <= hi``; ``None`` means unbounded on that side."""
+    """Allowed relative offsets ``lo <= j - i <= hi``; ``None`` means unbounded on that side.
+    ``renormalised``: the softmax runs over the allowed keys only (``local``), instead of the
+    mask multiplying a softmax over all keys."""
 
     lo: Optional[int]
     hi: Optional[int]
+    renormalised: bool = False
 
     @property
     def is_global(self):
@@ -45,6 +58,13 @@ def parse_mask(name: str) -> MaskBounds:
         return MaskBounds(UNBOUNDED, UNBOUNDED)
     if name == "identity":
         return MaskBounds(0, 0)
+    local = _LOCAL_NAME.match(name) if isinstance(name, str) else None
+    if local is not None:
+        left = int(local.group(1))
+        right = left if local.group(2) is None else int(local.group(2))
+        if left < 0 or right < 0:
+            raise ValueError(f"mask {name!r} has a negative window; L and R must be >= 0")
+        return MaskBounds(-left, right, renormalised=True)
     match = _MASK_NAME.match(name) if isinstance(name, str) else None
     if match is None:
         raise ValueError(f"unknown mask {name!r}; expected {MASK_SYNTAX}")

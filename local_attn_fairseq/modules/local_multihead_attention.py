@@ -41,7 +41,7 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
 from ..locality.dynamic_window import DynamicWindow
-from ..locality.fixed_masks import offset_mask
+from ..locality.fixed_masks import MaskBounds, offset_mask
 from ..locality.gaussian import GaussianLocalness
 from ..locality.head_gates import HardConcreteGates
 from ..locality.masked_softmax import safe_softmax
@@ -98,8 +98,14 @@ class LocalMultiheadAttention(nn.Module):
         self.causal = causal  # decoder self-attention: what each query sees grows with it
 
         self.head_specs = tuple(all_specs[h] for h in self.kept_heads)
-        self.mask_bounds = [spec.bounds for spec in self.head_specs]
+        bounds = [spec.bounds for spec in self.head_specs]
+        everything = MaskBounds(None, None)
+        # Pande's masks multiply the softmax; local heads' windows mask the logits before it.
+        self.mask_bounds = [everything if b.renormalised else b for b in bounds]
         self.has_head_masks = any(not b.is_global for b in self.mask_bounds)
+        self.window_bounds = [b if b.renormalised else everything for b in bounds]
+        self.has_local_heads = any(b.renormalised for b in bounds)
+        self.all_heads_local = bool(bounds) and all(b.renormalised for b in bounds)
 
         def source(h):
             return all_specs[h].qk_owner or (layer_index, h)
@@ -309,6 +315,9 @@ class LocalMultiheadAttention(nn.Module):
         if self._can_use_fused(need_weights, before_softmax):
             out = self._fused_attention(q, k, v, key_padding_mask, attn_mask)
             return self._merge_heads(out, tgt_len, bsz), None
+        if self._can_use_banded(need_weights, before_softmax, tgt_len, src_len, attn_mask):
+            out = self._banded_attention(q, k, v, key_padding_mask)
+            return self._merge_heads(out, tgt_len, bsz), None
 
         scaled_q = q * self.scaling
         logits = torch.matmul(scaled_q, k.transpose(-1, -2))  # (bsz, groups, tgt, src)
@@ -317,9 +326,12 @@ class LocalMultiheadAttention(nn.Module):
             rel_index = self.relative_positions.index(tgt_len, src_len, q.device)
             logits = logits + self.relative_positions.key_logits(scaled_q, rel_index)
         # per-head biases need per-head logits
-        per_head = self.localness is not None or bool(self.dynamic_windows)
+        per_head = self.localness is not None or bool(self.dynamic_windows) or self.has_local_heads
         if per_head:
             logits = self._expand_groups(logits).float()
+        if self.has_local_heads:
+            allowed = offset_mask(self.window_bounds, tgt_len, src_len, logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         if self.localness is not None:
             logits = self._add_localness(logits, q, k, key_padding_mask)
         windows = None
@@ -339,8 +351,9 @@ class LocalMultiheadAttention(nn.Module):
         if before_softmax:
             return (logits if per_head else self._expand_groups(logits)), v
 
-        if attn_mask is not None and not self.causal:
-            probs = safe_softmax(logits, dim=-1)  # an arbitrary mask may leave a row empty
+        if (attn_mask is not None and not self.causal) or self.has_local_heads:
+            # an arbitrary mask, or a window over padding only, may leave a row empty
+            probs = safe_softmax(logits, dim=-1)
         else:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         if not per_head:
@@ -420,9 +433,41 @@ class LocalMultiheadAttention(nn.Module):
         local_scores = local_scores * windows.index_select(1, self.aw_rows)
         return logits.index_add(1, self.aw_heads, local_scores)
 
+    # -- local heads through the banded operator ---------------------------------------------
+    def _can_use_banded(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
+        """Every head local, nothing else per head, a whole sequence attending to itself (not a
+        decoding step) and nothing asked of the T x T weights: no T x T matrix is needed."""
+        only_windows = not (
+            self.has_head_masks
+            or self.localness is not None
+            or self.relative_positions is not None
+            or self.dynamic_windows
+        )
+        # the decoder's attn_mask is its causal mask, which the window's right side takes over
+        sequence = tgt_len == src_len and (attn_mask is None or self.causal)
+        return (
+            self.all_heads_local
+            and only_windows
+            and sequence
+            and self.self_attention
+            and not (need_weights or before_softmax)
+        )
+
+    def _banded_attention(self, q, k, v, key_padding_mask):
+        from ..ops import banded_attention
+
+        left = [-b.lo for b in self.window_bounds]
+        right = [0 if self.causal else b.hi for b in self.window_bounds]
+        q, k = self._expand_groups(q).contiguous(), self._expand_groups(k).contiguous()
+        dropout = self.dropout_module.p if self.training else 0.0
+        return banded_attention(
+            q, k, v.contiguous(), left, right, key_padding_mask, self.scaling, dropout
+        )
+
     def _can_use_fused(self, need_weights, before_softmax):
         plain_heads = not (
-            self.has_head_masks
+            self.has_local_heads
+            or self.has_head_masks
             or self.localness is not None
             or self.relative_positions is not None
             or self.dynamic_windows

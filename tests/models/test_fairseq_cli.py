@@ -7,7 +7,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from ..conftest import TINY_MODEL, TRAIN, USER_DIR, fairseq_cli, train_tiny
-from .helpers import build_model, generate
+from .helpers import assert_incremental_decoding_matches_full_forward, build_model, generate
 from .test_parameter_counts import PAPER_COUNTS
 
 DECODER_LOCAL = (
@@ -122,3 +122,18 @@ def test_wrong_spec_is_rejected_before_training(tiny_data, tmp_path, spec, messa
     assert "--locality-config" in proc.stderr and message in proc.stderr
     assert "begin training" not in proc.stdout + proc.stderr
     assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
+
+
+LOCAL_HEADS = (
+    "{encoder_self: {all: [local-1, local-1, local-2, local-2, local-4, local-4, local-8, local-8]},"
+    " decoder_self: {all: [local-3-0, local-3-0, local-3-0, local-3-0, global, global, global, global]}}"
+)
+
+
+def test_local_heads_train_and_generate(tiny_data, tmp_path):
+    train_tiny(tiny_data, tmp_path, "--locality-config", LOCAL_HEADS)
+    generate(tiny_data, tmp_path / "checkpoint_last.pt")
+    model, task, _ = build_model(tiny_data / "bin", "transformer_local", "--locality-config",
+                                 LOCAL_HEADS, *TINY_MODEL)  # fmt: skip
+    assert model.encoder.layers[0].self_attn.all_heads_local
+    assert_incremental_decoding_matches_full_forward(model, task)

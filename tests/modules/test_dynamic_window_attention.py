@@ -7,6 +7,8 @@ from local_attn_fairseq.locality.dynamic_window import soft_window_mask
 from local_attn_fairseq.locality.spec import HeadSpec
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
 
+from .helpers import decode_step_by_step
+
 E, H, D = 16, 4, 4
 FUTURE = lambda n: torch.triu(torch.full((n, n), float("-inf")), 1)  # noqa: E731
 
@@ -80,11 +82,7 @@ def test_decoder_self_attention_incremental_equals_full(method):
     attn = attention(heads, causal=True, self_attention=True)
     x = torch.randn(6, 2, E)
     full, _ = attn(x, x, x, attn_mask=FUTURE(6))
-    state = {}
-    steps = [
-        attn(x[t : t + 1], x[t : t + 1], x[t : t + 1], incremental_state=state)[0] for t in range(6)
-    ]
-    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(decode_step_by_step(attn, x), full, atol=1e-5, rtol=1e-4)
     plain = attention([HeadSpec(), HeadSpec(), HeadSpec("prev-1"), HeadSpec()], causal=True)
     plain.load_state_dict(attn.state_dict(), strict=False)
     assert not torch.allclose(plain(x, x, x, attn_mask=FUTURE(6))[0], full, atol=1e-3)
@@ -100,14 +98,7 @@ def test_cross_attention_incremental_equals_full(heads):
     pad = torch.zeros(2, 9, dtype=torch.bool)
     pad[0, :4] = True
     full, _ = attn(x, enc, enc, key_padding_mask=pad, static_kv=True)
-    state = {}
-    steps = [
-        attn(x[t : t + 1], enc, enc, key_padding_mask=pad, incremental_state=state, static_kv=True)[
-            0
-        ]
-        for t in range(5)
-    ]
-    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(decode_step_by_step(attn, x, enc, pad), full, atol=1e-5, rtol=1e-4)
 
 
 def test_all_padding_sentence_gives_zeros_and_finite_gradients():

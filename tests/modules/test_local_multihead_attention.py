@@ -6,6 +6,8 @@ from local_attn_fairseq.locality.fixed_masks import offset_mask, parse_mask
 from local_attn_fairseq.locality.spec import HeadSpec
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
 
+from .helpers import decode_step_by_step
+
 E, H = 16, 4
 MASKS = ["band-1", "prev-1", "next-2", "global"]
 
@@ -158,11 +160,7 @@ def test_incremental_decoding_matches_full_forward():
     future = torch.triu(torch.full((6, 6), float("-inf")), 1)
     full, _ = attn(x, x, x, key_padding_mask=pad, attn_mask=future)
     torch.testing.assert_close(full, reference(attn, x, causal=True), atol=1e-5, rtol=1e-5)
-    state = {}
-    steps = [
-        attn(x[t : t + 1], x[t : t + 1], x[t : t + 1], incremental_state=state)[0] for t in range(6)
-    ]
-    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_step_by_step(attn, x), full, atol=1e-5, rtol=1e-5)
 
 
 def test_reorder_incremental_state_follows_beams():

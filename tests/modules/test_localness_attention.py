@@ -6,6 +6,8 @@ import torch
 from local_attn_fairseq.locality.spec import HeadSpec
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
 
+from .helpers import decode_step_by_step
+
 E, H = 16, 4
 FUTURE = lambda n: torch.triu(torch.full((n, n), float("-inf")), 1)  # noqa: E731
 
@@ -37,11 +39,7 @@ def test_decoder_self_attention_incremental_equals_full(strategy):
     attn = attention(strategy, rel=2, values=True, causal=True, self_attention=True)
     x = torch.randn(6, 2, E)
     full, _ = attn(x, x, x, attn_mask=FUTURE(6))
-    state = {}
-    steps = [
-        attn(x[t : t + 1], x[t : t + 1], x[t : t + 1], incremental_state=state)[0] for t in range(6)
-    ]
-    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(decode_step_by_step(attn, x), full, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("strategy", ["layer", "query"])
@@ -52,14 +50,7 @@ def test_cross_attention_incremental_equals_full(strategy):
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[0, :3] = True  # left-padded source
     full, _ = attn(x, enc, enc, key_padding_mask=pad, static_kv=True)
-    state = {}
-    steps = [
-        attn(x[t : t + 1], enc, enc, key_padding_mask=pad, incremental_state=state, static_kv=True)[
-            0
-        ]
-        for t in range(5)
-    ]
-    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(decode_step_by_step(attn, x, enc, pad), full, atol=1e-5, rtol=1e-4)
 
 
 def test_encoder_left_padding_matches_the_sentence_alone():
