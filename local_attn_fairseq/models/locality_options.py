@@ -56,14 +56,14 @@ def with_command_line_settings(config: dict, cfg) -> dict:
             localness[key] = getattr(cfg, option)
     if getattr(cfg, "localness_layers", None):
         layers = dict(localness.get("layers") or {})
-        for entry in cfg.localness_layers.split():
-            attn_type, sep, selector = entry.partition(":")
-            if not sep:
-                raise LocalitySpecError(
-                    f"--localness-layers entry {entry!r} is not ATTENTION_TYPE:LAYERS "
-                    "(e.g. encoder_self:0-2)"
-                )
-            layers[attn_type] = selector
+        layers.update(
+            _per_type_entries(
+                cfg.localness_layers,
+                "--localness-layers",
+                "ATTENTION_TYPE:LAYERS",
+                "encoder_self:0-2",
+            )
+        )
         localness["layers"] = layers
     if localness:
         config["localness"] = localness
@@ -81,13 +81,10 @@ def with_command_line_settings(config: dict, cfg) -> dict:
         windows["segment_size"] = cfg.dynamic_window_segment_size
     if getattr(cfg, "dynamic_window", None):
         layers = dict(windows.get("layers") or {})
-        for entry in cfg.dynamic_window.split():
-            attn_type, sep, rest = entry.partition(":")
-            if not sep:
-                raise LocalitySpecError(
-                    f"--dynamic-window entry {entry!r} is not TYPE:METHOD:LAYERS "
-                    "(e.g. encoder_self:aw:0-2)"
-                )
+        entries = _per_type_entries(
+            cfg.dynamic_window, "--dynamic-window", "TYPE:METHOD:LAYERS", "encoder_self:aw:0-2"
+        )
+        for attn_type, rest in entries.items():
             if rest == "none":
                 layers.pop(attn_type, None)
             else:
@@ -108,6 +105,17 @@ def with_command_line_settings(config: dict, cfg) -> dict:
     if getattr(cfg, "heads_kept", None):
         config["heads_kept"] = load_spec_config(cfg.heads_kept)
     return config
+
+
+def _per_type_entries(value: str, option: str, syntax: str, example: str) -> dict:
+    """``"TYPE:REST TYPE:REST ..."`` of a command-line option -> {TYPE: REST}."""
+    entries = {}
+    for entry in value.split():
+        attn_type, sep, rest = entry.partition(":")
+        if not sep:
+            raise LocalitySpecError(f"{option} entry {entry!r} is not {syntax} (e.g. {example})")
+        entries[attn_type] = rest
+    return entries
 
 
 def add_locality_args(parser):
