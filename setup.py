@@ -82,6 +82,9 @@ setup(
     package_data={"local_attn_fairseq.configs": ["locality/*.yaml"]},
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
+    entry_points={
+        "console_scripts": ["local-attn-analyze = local_attn_fairseq.analysis.cli:main"],
+    },
     install_requires=[
         "fairseq-fixed",
         "torch",
@@ -89,5 +92,8 @@ setup(
         "pyyaml",
         "sacrebleu",
         "sentencepiece",
+        "soundfile",
+        "matplotlib",
+        "tqdm",
     ],
 )

@@ -11,6 +11,12 @@ alternating rounds within one process and the ratio of their median rates is wha
 Targets: ``transformer_local_tied`` (fixed masks must cost almost nothing) and
 ``transformer_localness`` (Yang et al. report 0.925 of the baseline's speed) >= 0.95;
 ``transformer_dynwin`` (Nguyen et al. report 0.87) >= 0.90.
+
+The run also counts the floating-point operations of both models' matrix products on the same
+batches: their ratio is the most any implementation can reach where those products bound the
+speed, as they do on a CPU. The differentiable window's pointer and local projections alone
+(four, resp. six d x d matrices per attention module, Eqs. 7-8 and 14-15) put that ceiling at
+0.78 for Transformer base, below the 0.90 target.
 """
 
 import argparse
@@ -20,6 +26,7 @@ import sys
 import time
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -69,6 +76,18 @@ def train_steps(model, criterion, optimizer, batches):
     return time.perf_counter() - start
 
 
+def training_flops(model, criterion, batches):
+    """Floating-point operations of the matrix products (linear layers, attention products) of
+    forward and backward over the batches: what bounds the speed of a compute-bound machine."""
+    model.train()
+    with FlopCounterMode(display=False) as counter:
+        for sample in batches:
+            loss, _, _ = criterion(model, sample)
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -108,6 +127,9 @@ def main():
     batches = fixed_batches(task, targs, args.batches)
     words = sum(b["ntokens"] for b in batches)
 
+    flops = {
+        label: training_flops(model, crit, batches) for label, (model, crit, _) in models.items()
+    }
     for model, criterion, optimizer in models.values():  # warm-up, not timed
         train_steps(model, criterion, optimizer, batches[:3])
     rates = {label: [] for label in models}
@@ -121,17 +143,26 @@ def main():
         f"\ntraining throughput, {sizes}, {args.batches} batches x {args.rounds} rounds "
         f"({words} target words per pass), torch threads {torch.get_num_threads()}\n"
     )
-    print("| model | median words/s | min | max |")
-    print("|---|---:|---:|---:|")
+    print("| model | median words/s | min | max | GFLOP per pass |")
+    print("|---|---:|---:|---:|---:|")
     for label in labels:
         rs = rates[label]
-        print(f"| {label} | {statistics.median(rs):.0f} | {min(rs):.0f} | {max(rs):.0f} |")
+        print(
+            f"| {label} | {statistics.median(rs):.0f} | {min(rs):.0f} | {max(rs):.0f} "
+            f"| {flops[label] / 1e9:.1f} |"
+        )
     base, local = (statistics.median(rates[label]) for label in labels)
     per_round = [l / b for b, l in zip(rates[labels[0]], rates[labels[1]])]
     print(
         f"\nratio {labels[1]} / {labels[0]}: {local / base:.3f} "
         f"(per round: {', '.join(f'{x:.3f}' for x in per_round)}); "
         f"target >= {TARGETS.get(args.candidate, 0.95):.2f}"
+    )
+    # Where the candidate's matrix products alone cost more, no implementation beats this ratio.
+    ceiling = flops[labels[0]] / flops[labels[1]]
+    print(
+        f"FLOP ratio {labels[0]} / {labels[1]} (the ceiling when matrix products bound the "
+        f"speed): {ceiling:.3f}; measured / ceiling: {local / base / ceiling:.3f}"
     )
 
 

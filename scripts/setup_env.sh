@@ -16,7 +16,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${LOCAL_ATTN_VENV:-$ROOT/.venv}
 WHEEL_CACHE=${LOCAL_ATTN_WHEEL_CACHE:-$HOME/.cache/local_attn_fairseq/wheels}
 PYTHON=${PYTHON:-python3}
-APT_PACKAGES=(trans-de-en)
+APT_PACKAGES=(trans-de-en espeak-ng)
 FAIRSEQ=fairseq-fixed==0.12.3.1
 
 log() { echo "[setup] $*"; }

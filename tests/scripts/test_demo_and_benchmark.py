@@ -62,3 +62,6 @@ def test_benchmark_prints_the_ratio(tmp_path):
         r"ratio transformer_local_tied / transformer \(baseline\): ([\d.]+)", out.stdout
     )
     assert match and float(match.group(1)) > 0
+    # tied Wq/Wk are projected once for all the heads that share them: fewer matrix products
+    ceiling = re.search(r"FLOP ratio .*: ([\d.]+); measured / ceiling", out.stdout)
+    assert ceiling and float(ceiling.group(1)) > 1.05, out.stdout[-2000:]
