@@ -1,25 +1,30 @@
 #!/usr/bin/env python3
-"""The banded attention operator against what a user would otherwise write, on the CPU.
+"""The banded attention operator against what a user would otherwise write, on CPU or GPU.
 
     python benchmarks/banded_attention.py [--quick] [--lengths 256 1024] [--widths 5 65]
+    python benchmarks/banded_attention.py --device cuda --dtype bfloat16
 
 Compared, for each sequence length T and band width w = left + right + 1 (left = right):
   banded  ``local_attn_fairseq.ops.banded_attention`` (the compiled kernel; ``--impl torch``
           measures the pure-PyTorch fallback instead);
   sdpa    ``torch.nn.functional.scaled_dot_product_attention`` with a boolean (T, T) band mask;
-  naive   matmul, masked_fill, softmax, matmul.
+  naive   matmul, masked_fill, softmax, matmul;
+  global  scaled_dot_product_attention without a mask: the global attention that a local layer
+          replaces (on a GPU, PyTorch's flash kernel), for scale;
 in two modes: forward only (under no_grad) and forward + backward.
 
 Time: the median of --repeats rounds, the implementations alternating within each round, so
 that load from other processes on a shared machine hits them alike. Memory: the peak of the
 bytes torch allocates during one call (outputs, gradients, saved and temporary tensors), read
-from the allocation events of torch's profiler (``profile_memory=True``), plus, for the dense
+from the allocation events of torch's profiler (``profile_memory=True``) on the CPU and from
+the caching allocator's peak statistic on the GPU, plus, for the dense
 implementations, the (T, T) mask they need resident. The mask is built outside the timed region
 (a model would build it once). "Beyond outputs" leaves out what every implementation allocates
 alike (the output, and for forward + backward the seed gradient and the three input gradients):
 the memory each one needs to compute them. GFLOP/s counts the useful band work, 4 * T * w * D
-per head forward and 3x that for forward + backward, and is compared with this CPU's peak,
-estimated by timing a large float32 matmul in the same run. Dense implementations are skipped
+per head forward and 3x that for forward + backward, and is compared with the device's peak,
+estimated by timing a large matmul of the same dtype in the same run (on a GPU, the banded
+kernels work on CUDA cores, so a fraction of the tensor-core matmul peak is expected). Dense implementations are skipped
 where their T x T tensors would exceed --dense-memory-gb.
 """
 
@@ -57,16 +62,25 @@ def naive_attention(q, k, v, mask):
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
-def make_runners(length, width):
+IMPLEMENTATIONS = ("banded", "sdpa", "naive", "global")
+
+
+def make_runners(length, width, device):
     """name -> (callable(q, k, v) -> out, resident bytes it needs besides its own allocations)."""
     half = (width - 1) // 2
-    mask = band_mask(length, half, half)
+    mask = band_mask(length, half, half).to(device)
     sdpa = F.scaled_dot_product_attention
     return {
         "banded": (lambda q, k, v: banded_attention(q, k, v, half, half), 0),
         "sdpa": (lambda q, k, v: sdpa(q, k, v, attn_mask=mask), mask.nbytes),
         "naive": (lambda q, k, v: naive_attention(q, k, v, mask), mask.nbytes),
+        "global": (lambda q, k, v: sdpa(q, k, v), 0),
     }
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def one_call(fn, inputs, backward):
@@ -81,13 +95,24 @@ def one_call(fn, inputs, backward):
 
 
 def timed(fn, inputs, backward):
+    device = inputs[0].device if inputs else torch.device("cpu")
+    synchronize(device)
     start = time.perf_counter()
     one_call(fn, inputs, backward)
+    synchronize(device)
     return time.perf_counter() - start
 
 
 def peak_bytes(fn, inputs, backward):
-    """Peak of torch's CPU allocations during one call, above what was live before it."""
+    """Peak of torch's allocations during one call, above what was live before it."""
+    device = inputs[0].device
+    if device.type == "cuda":
+        synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        one_call(fn, inputs, backward)
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         one_call(fn, inputs, backward)
@@ -104,10 +129,11 @@ def peak_bytes(fn, inputs, backward):
     return peak
 
 
-def matmul_peak_gflops(size=2048, repeats=5):
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_peak_gflops(device, dtype, repeats=5):
+    size = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     a @ b
-    best = min(timed(lambda: a @ b, (), False) for _ in range(repeats))
+    best = min(timed(lambda *_: a @ b, (a,), False) for _ in range(repeats))
     return 2 * size**3 / best / 1e9
 
 
@@ -119,10 +145,15 @@ def dense_fits(batch, heads, length, budget_bytes):
 def measure(args, length, width, backward):
     gen = torch.Generator().manual_seed(0)
     shape = (args.batch, args.heads, length, args.dim)
-    inputs = [torch.randn(shape, generator=gen).requires_grad_(backward) for _ in range(3)]
-    runners = make_runners(length, width)
+    inputs = [
+        torch.randn(shape, generator=gen).to(args.device, args.dtype).requires_grad_(backward)
+        for _ in range(3)
+    ]
+    runners = make_runners(length, width, args.device)
     if not dense_fits(args.batch, args.heads, length, args.dense_memory_gb * 2**30):
-        runners = {"banded": runners["banded"]}
+        # flash attention needs no T x T memory: global attention stays on a GPU
+        keep = ("banded", "global") if args.device.type == "cuda" else ("banded",)
+        runners = {name: runners[name] for name in keep}
     times = {name: [] for name in runners}
     for name, (fn, _) in runners.items():  # warm-up
         one_call(fn, inputs, backward)
@@ -141,11 +172,11 @@ def measure(args, length, width, backward):
 def format_row(length, width, mode, result, flops, peak_gflops):
     banded_time, banded_mem, _ = result["banded"]
     cells = [str(length), str(width), mode]
-    for name in ("banded", "sdpa", "naive"):
+    for name in IMPLEMENTATIONS:
         cells.append(f"{result[name][0] * 1e3:.2f}" if name in result else "skipped")
-    for name in ("sdpa", "naive"):
+    for name in IMPLEMENTATIONS[1:]:
         cells.append(f"{result[name][0] / banded_time:.1f}x" if name in result else "-")
-    for name in ("banded", "sdpa", "naive"):
+    for name in IMPLEMENTATIONS:
         cells.append(f"{result[name][1] / MiB:.1f}" if name in result else "skipped")
     cells.append(f"{result['sdpa'][1] / banded_mem:.1f}x" if "sdpa" in result else "-")
     returned = result["banded"][2]
@@ -157,9 +188,9 @@ def format_row(length, width, mode, result, flops, peak_gflops):
 
 
 HEADER = [
-    "T", "w", "mode", "banded ms", "sdpa ms", "naive ms", "sdpa/banded", "naive/banded",
-    "banded MiB", "sdpa MiB", "naive MiB", "sdpa/banded mem", "sdpa/banded mem beyond outputs",
-    "banded GFLOP/s", "of peak",
+    "T", "w", "mode", "banded ms", "sdpa ms", "naive ms", "global ms", "sdpa/banded",
+    "naive/banded", "global/banded", "banded MiB", "sdpa MiB", "naive MiB", "global MiB",
+    "sdpa/banded mem", "sdpa/banded mem beyond outputs", "banded GFLOP/s", "of peak",
 ]  # fmt: skip
 
 
@@ -179,12 +210,19 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dense-memory-gb", type=float, default=6.0)
     parser.add_argument("--impl", choices=["extension", "torch"], default="extension")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"]
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--spin", action="store_true", help="keep OpenMP's spinning idle workers")
     parser.add_argument("--output", help="also write the table (markdown) to this file")
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.widths, args.repeats = [256, 1024], [5, 65], 2
+    args.device, args.dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
     return args  # fmt: skip
 
 
@@ -193,14 +231,19 @@ def main():
     os.environ["LOCAL_ATTN_BANDED_IMPL"] = args.impl
     if args.threads:
         torch.set_num_threads(args.threads)
-    peak = matmul_peak_gflops()
+    peak = matmul_peak_gflops(args.device, args.dtype)
     info = extension_info()
+    if args.device.type == "cuda":
+        where = torch.cuda.get_device_name(args.device)
+    else:
+        where = f"CPU, {torch.get_num_threads()} threads, OMP_WAIT_POLICY=" + os.environ.get(
+            "OMP_WAIT_POLICY", "default"
+        )
+    dtype = str(args.dtype).replace("torch.", "")
     lines = [
-        f"banded implementation: {args.impl} {info}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY="
-        f"{os.environ.get('OMP_WAIT_POLICY', 'default')}; "
-        f"B={args.batch} H={args.heads} D={args.dim} float32; "
-        f"CPU peak (2048^2 matmul) {peak:.0f} GFLOP/s; times: median of {args.repeats} rounds",
+        f"banded implementation: {args.impl} {info}; torch {torch.__version__}; {where}; "
+        f"B={args.batch} H={args.heads} D={args.dim} {dtype}; "
+        f"peak ({dtype} matmul) {peak:.0f} GFLOP/s; times: median of {args.repeats} rounds",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),

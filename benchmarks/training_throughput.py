@@ -7,6 +7,7 @@ same criterion and optimiser. The machine is shared and noisy, so the two are ti
 alternating rounds within one process and the ratio of their median rates is what counts.
 
     python benchmarks/training_throughput.py [--candidate ARCH] [--rounds 6] [--batches 20]
+    python benchmarks/training_throughput.py --device cuda --base-sizes --candidate transformer_dynwin
 
 Targets: ``transformer_local_tied`` (fixed masks must cost almost nothing) and
 ``transformer_localness`` (Yang et al. report 0.925 of the baseline's speed) >= 0.95;
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, ROOT)
 
 import demo  # noqa: E402  (the demo's data preparation and model sizes)
-from fairseq import options, tasks  # noqa: E402
+from fairseq import options, tasks, utils  # noqa: E402
 
 # Targets against the baseline; fixed masks and Gaussian localness aim at 0.95. Nguyen et al.
 # report 0.87 for their dynamic windows.
@@ -64,15 +65,23 @@ def fixed_batches(task, args, n):
     return [next(itr) for _ in range(n)]
 
 
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def train_steps(model, criterion, optimizer, batches):
     """Seconds for one pass of forward, backward and optimiser step over the batches."""
     model.train()
+    device = next(model.parameters()).device
+    synchronize(device)
     start = time.perf_counter()
     for sample in batches:
         loss, _, _ = criterion(model, sample)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -108,7 +117,11 @@ def main():
         action="store_true",
         help="Transformer base sizes (512 dims, 6+6 layers) instead of the demo's",
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (float32 training)")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
     dims = ["--share-all-embeddings"] if args.base_sizes else demo.MODEL_DIMS
 
     data_dir = demo.data_dir_for(os.path.abspath(args.work_dir), demo.DEFAULT_VOCAB_SIZE)
@@ -123,8 +136,9 @@ def main():
     models = {}
     for label, arch, extra in contenders:
         task, targs, model, criterion, optimizer = build(bin_dir, arch, extra, dims)
-        models[label] = (model, criterion, optimizer)
-    batches = fixed_batches(task, targs, args.batches)
+        models[label] = (model.to(device), criterion, optimizer)
+    batches = [utils.move_to_cuda(b, device) if device.type == "cuda" else b
+               for b in fixed_batches(task, targs, args.batches)]  # fmt: skip
     words = sum(b["ntokens"] for b in batches)
 
     flops = {
@@ -139,9 +153,13 @@ def main():
             rates[label].append(words / train_steps(*models[label], batches))
 
     sizes = "Transformer base sizes" if args.base_sizes else "demo sizes"
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"CPU, torch threads {torch.get_num_threads()}"
     print(
         f"\ntraining throughput, {sizes}, {args.batches} batches x {args.rounds} rounds "
-        f"({words} target words per pass), torch threads {torch.get_num_threads()}\n"
+        f"({words} target words per pass), {where}\n"
     )
     print("| model | median words/s | min | max | GFLOP per pass |")
     print("|---|---:|---:|---:|---:|")
