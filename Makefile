@@ -1,17 +1,21 @@
 # The two entry points of the README; each sets everything up on first use.
 #   make demo   real-data demo: Ding de-en, baseline vs transformer_local_tied, one results table
+#   make demo-speech   speech translation: synthetic MuST-C, windows from contributions, WER/BLEU
 #   make test   the test suite (what CI runs)
 VENV ?= $(if $(LOCAL_ATTN_VENV),$(LOCAL_ATTN_VENV),$(CURDIR)/.venv)
 PYTHON := $(VENV)/bin/python
 export LOCAL_ATTN_VENV := $(VENV)
 
-.PHONY: setup demo test test-fast bench clean-demo
+.PHONY: setup demo demo-speech test test-fast bench clean-demo
 
 setup:
 	@bash scripts/setup_env.sh
 
 demo: setup
 	$(PYTHON) scripts/demo.py $(DEMO_ARGS)
+
+demo-speech: setup
+	$(PYTHON) scripts/demo_speech.py $(DEMO_ARGS)
 
 test: setup
 	$(PYTHON) -m pytest tests $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
-"""The three shims the pinned stack (torch 2.11, torchaudio 2.11, numpy 2, fairseq 0.12) needs.
+"""The shims the pinned stack (torch 2.11, torchaudio 2.11, numpy 2, fairseq 0.12) needs.
 
-Both are applied when the plugin is imported and are idempotent:
+They are applied when the plugin is imported and are idempotent:
 
 * ``torch.load`` defaults to ``weights_only=True`` since torch 2.6, but a fairseq checkpoint
   pickles its configuration (``argparse.Namespace``, OmegaConf containers). Only fairseq's
@@ -12,6 +12,10 @@ Both are applied when the plugin is imported and are idempotent:
 * numpy 2 removed ``numpy.compat``, whose ``long`` (Python's ``int``) fairseq's token-block and
   language-pair datasets still ask for (``--sample-break-mode eos``, language-model generation
   with fairseq-interactive, batching by length).
+* fairseq's ``--ddp-backend pytorch_ddp`` (the default) passes ``device_ids=[device_id]`` to
+  torch's ``DistributedDataParallel`` even for a ``--cpu`` model, which torch rejects; on a CPU
+  model the wrapper now leaves both device arguments out, so ``--cpu --distributed-world-size N
+  --distributed-backend gloo`` trains with fairseq's default backend. GPU models are unchanged.
 """
 
 import sys
@@ -92,7 +96,23 @@ def provide_numpy_compat():
         numpy.compat = types.SimpleNamespace(long=int)
 
 
+class _DistributedDataParallelOnModelDevice(torch.nn.parallel.DistributedDataParallel):
+    """torch's DDP, without the device arguments that torch refuses for a CPU module."""
+
+    def __init__(self, module, device_ids=None, output_device=None, **kwargs):
+        if all(p.device.type == "cpu" for p in module.parameters()):
+            device_ids = output_device = None
+        super().__init__(module, device_ids=device_ids, output_device=output_device, **kwargs)
+
+
+def allow_cpu_pytorch_ddp():
+    from fairseq.models import distributed_fairseq_model
+
+    distributed_fairseq_model.DistributedDataParallel = _DistributedDataParallelOnModelDevice
+
+
 def apply():
     patch_checkpoint_loading()
+    allow_cpu_pytorch_ddp()
     provide_sox_effects()
     provide_numpy_compat()

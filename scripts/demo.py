@@ -27,6 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(ROOT, "local_attn_fairseq")
 BIN = os.path.dirname(sys.executable)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from text_data import encode_file, train_sentencepiece  # noqa: E402
+
 # Shared by both models: the paper's 8 heads and 6 encoder layers at a size that two CPU cores
 # train in minutes; pre-norm and a short warm-up let it learn in few epochs.
 MODEL_DIMS = (
@@ -72,10 +75,11 @@ def data_dir_for(work, vocab_size, max_train=None):
     return path
 
 
-def prepare_data(work, vocab_size, max_train=None):
+def prepare_data(work, vocab_size, max_train=None, test_size=None):
     raw, spm_dir, bin_dir = (os.path.join(work, d) for d in ("raw", "spm", "bin"))
     if not os.path.exists(os.path.join(raw, "test.en")):
         limit = ["--max-train", str(max_train)] if max_train else []
+        limit += ["--test-size", str(test_size)] if test_size else []
         run(
             [
                 sys.executable,
@@ -86,30 +90,13 @@ def prepare_data(work, vocab_size, max_train=None):
             ]
         )
     if not os.path.exists(os.path.join(spm_dir, "test.en")):
-        import sentencepiece as spm
-
         os.makedirs(spm_dir, exist_ok=True)
-        prefix = os.path.join(spm_dir, "spm")
-        spm.SentencePieceTrainer.train(
-            input=f"{raw}/train.de,{raw}/train.en",
-            model_prefix=prefix,
-            vocab_size=vocab_size,
-            character_coverage=1.0,
-            model_type="unigram",
-            bos_id=-1,
-            eos_id=-1,
-            pad_id=-1,
-            unk_id=0,
-            minloglevel=2,
+        model = train_sentencepiece(
+            [f"{raw}/train.de", f"{raw}/train.en"], os.path.join(spm_dir, "spm"), vocab_size
         )
-        sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
         for split in ("train", "valid", "test"):
             for lang in ("de", "en"):
-                with open(f"{raw}/{split}.{lang}", encoding="utf-8") as src, open(
-                    f"{spm_dir}/{split}.{lang}", "w", encoding="utf-8"
-                ) as out:
-                    for line in src:
-                        out.write(" ".join(sp.encode(line.strip(), out_type=str)) + "\n")
+                encode_file(model, f"{raw}/{split}.{lang}", f"{spm_dir}/{split}.{lang}")
         print(f"| sentencepiece: joint vocabulary of {vocab_size} -> {spm_dir}")
     if not os.path.exists(os.path.join(bin_dir, "test.de-en.en.bin")):
         run(

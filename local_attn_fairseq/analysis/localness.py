@@ -5,7 +5,8 @@
     windows[("encoder_self", 0)]["centre"]   # P per token, in real-token positions
 
 The model runs one forward pass in eval mode on the sample (a fairseq batch with
-``net_input``); every attention module with Gaussian heads records its centres and windows.
+``net_input``; the encoder alone when it has no ``prev_output_tokens``); every attention module
+with Gaussian heads records its centres and windows.
 """
 
 from typing import Dict, Tuple
@@ -13,6 +14,7 @@ from typing import Dict, Tuple
 import torch
 
 from ..modules.local_multihead_attention import LocalMultiheadAttention
+from .loading import run_model
 
 
 def gaussian_attention_modules(model):
@@ -32,7 +34,7 @@ def localness_windows(model, sample) -> Dict[Tuple[str, int], Dict[str, torch.Te
     for module in modules.values():
         module.record_localness, module.last_localness = True, None
     try:
-        model(**sample["net_input"])
+        run_model(model, sample)
     finally:
         for module in modules.values():
             module.record_localness = False

@@ -15,6 +15,9 @@ with temperature beta (2/3 by default; Voita et al.'s own code used 0.33) and th
 
 The L0 relaxation is L_C = sum_h (1 - P(g_h = 0)), in closed form. At test time each gate is 0
 or 1, whichever of P(g = 0), P(g = 1) is larger (the paper's footnote 7).
+
+Gates and probabilities are computed in float32 (at least) even in a half-precision model: in
+float16 and bfloat16, 1 - 1e-6 rounds to 1, so the noise could reach log(0).
 """
 
 import math
@@ -53,15 +56,18 @@ class HardConcreteGates(nn.Module):
         self.gamma, self.zeta = float(gamma), float(zeta)
         self.log_alpha = nn.Parameter(torch.full((num_heads,), float(log_alpha_init)))
 
+    def _precise_log_alpha(self) -> Tensor:
+        return self.log_alpha.to(torch.promote_types(self.log_alpha.dtype, torch.float32))
+
     def prob_closed(self) -> Tensor:
         """P(g_h = 0) per head, differentiable in log_alpha."""
         shift = self.temperature * math.log(-self.gamma / self.zeta)
-        return torch.sigmoid(shift - self.log_alpha)
+        return torch.sigmoid(shift - self._precise_log_alpha())
 
     def prob_open(self) -> Tensor:
         """P(g_h = 1) per head."""
         shift = self.temperature * math.log((1 - self.gamma) / (self.zeta - 1))
-        return torch.sigmoid(self.log_alpha - shift)
+        return torch.sigmoid(self._precise_log_alpha() - shift)
 
     def l0_penalty(self) -> Tensor:
         """L_C = sum_h (1 - P(g_h = 0)): the expected number of non-zero gates."""
@@ -69,11 +75,12 @@ class HardConcreteGates(nn.Module):
 
     def deterministic(self) -> Tensor:
         """Test-time gates: 1 where P(g = 1) > P(g = 0), else 0."""
-        return (self.prob_open() > self.prob_closed()).to(self.log_alpha.dtype)
+        return (self.prob_open() > self.prob_closed()).float()
 
     def sample(self) -> Tensor:
-        u = torch.rand_like(self.log_alpha).clamp(_NOISE_EPS, 1 - _NOISE_EPS)
-        s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + self.log_alpha) / self.temperature)
+        log_alpha = self._precise_log_alpha()
+        u = torch.rand_like(log_alpha).clamp(_NOISE_EPS, 1 - _NOISE_EPS)
+        s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + log_alpha) / self.temperature)
         return (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
 
     def forward(self) -> Tensor:

@@ -517,9 +517,10 @@ class LocalitySpec:
                     raise LocalitySpecError(
                         f"{where} ties to head {nxt_head}, which does not exist ({n_heads} heads)"
                     )
+                if (nxt_layer, nxt_head) == (layer, head):
+                    # tied to itself (e.g. "all: [..., global@0.7]" in layer 0): owns its Wq/Wk
+                    return (layer, head)
                 if (nxt_layer, nxt_head) in seen:
-                    if (nxt_layer, nxt_head) == (layer, head) and len(seen) == 1:
-                        return (layer, head)  # tied to itself: simply owns its Wq/Wk
                     raise LocalitySpecError(f"{where}: ties form a cycle {seen}")
                 seen.append((nxt_layer, nxt_head))
                 layer, head = nxt_layer, nxt_head

@@ -73,11 +73,15 @@ class LocalMultiheadAttention(nn.Module):
         kept_heads: Optional[Sequence[int]] = None,
         qk_rows: Optional[Sequence[int]] = None,
         gates: Optional[dict] = None,
+        banded_kernel: bool = True,
     ):
         """``num_heads`` and ``head_specs`` describe the unpruned layer; a pruned layer has only
         ``kept_heads`` of them (and holds the Wq/Wk rows of the heads in ``qk_rows``, which
-        kept heads of this or other layers use). ``gates``: Hard Concrete settings, or None."""
+        kept heads of this or other layers use). ``gates``: Hard Concrete settings, or None.
+        ``banded_kernel=False`` computes local heads by masking the T x T logits instead of
+        through the banded operator (same outputs; for comparison and analysis)."""
         super().__init__()
+        self.banded_kernel = banded_kernel
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
         self.embed_dim = embed_dim
@@ -125,7 +129,8 @@ class LocalMultiheadAttention(nn.Module):
         head_to_group = [self.qk_sources.index(source(h)) for h in self.kept_heads]
         self.num_qk_groups = len(self.qk_sources)
         self.register_buffer("head_to_group", torch.tensor(head_to_group), persistent=False)
-        self.groups_are_heads = head_to_group == list(range(self.num_heads))
+        # a pruned Gaussian layer computes the Q/K of every head, more groups than kept heads
+        self.groups_are_heads = head_to_group == list(range(self.num_qk_groups))
         self.uses_own_qk_only = self.qk_sources == [(layer_index, h) for h in self.owned_heads]
 
         qk_out = len(self.owned_heads) * self.head_dim
@@ -351,8 +356,12 @@ class LocalMultiheadAttention(nn.Module):
         if before_softmax:
             return (logits if per_head else self._expand_groups(logits)), v
 
-        if (attn_mask is not None and not self.causal) or self.has_local_heads:
-            # an arbitrary mask, or a window over padding only, may leave a row empty
+        row_may_be_empty = attn_mask is not None and (
+            not self.causal or key_padding_mask is not None
+        )
+        if row_may_be_empty or self.has_local_heads:
+            # an arbitrary mask, a causal row over left padding only (--left-pad-target), or a
+            # window over padding only leaves a row without keys
             probs = safe_softmax(logits, dim=-1)
         else:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -446,7 +455,8 @@ class LocalMultiheadAttention(nn.Module):
         # the decoder's attn_mask is its causal mask, which the window's right side takes over
         sequence = tgt_len == src_len and (attn_mask is None or self.causal)
         return (
-            self.all_heads_local
+            self.banded_kernel
+            and self.all_heads_local
             and only_windows
             and sequence
             and self.self_attention
@@ -502,7 +512,9 @@ class LocalMultiheadAttention(nn.Module):
     def _merge_heads(self, out: Tensor, tgt_len: int, bsz: int) -> Tensor:
         """Gate each head's output (Voita et al.), concatenate the heads, project."""
         if self.head_gates is not None:
-            out = out * self.head_gates().to(out.dtype)[None, :, None, None]
+            # in float32 (at least): a gate's gradient sums over every token, beyond float16
+            precise = torch.promote_types(out.dtype, torch.float32)
+            out = (out.to(precise) * self.head_gates()[None, :, None, None]).to(out.dtype)
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads * self.head_dim)
         return self.out_proj(out)
 

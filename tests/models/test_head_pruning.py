@@ -36,7 +36,21 @@ def prune(checkpoint, output):
 
 
 def hypotheses(proc):
-    return sorted(line for line in proc.stdout.splitlines() if line.startswith(("H-", "D-")))
+    """(id, text, score) of every detokenized hypothesis."""
+    found = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("D-"):
+            ident, score, text = line.split("\t", 2)
+            found.append((ident, text, float(score)))
+    return sorted(found)
+
+
+def assert_same_hypotheses(ours, theirs):
+    """Same texts; scores equal up to float32 rounding (a pruned layer multiplies smaller
+    matrices, whose sums may round differently in the last bits)."""
+    ours, theirs = hypotheses(ours), hypotheses(theirs)
+    assert [h[:2] for h in ours] == [h[:2] for h in theirs]
+    assert all(abs(a[2] - b[2]) <= 1e-4 for a, b in zip(ours, theirs))
 
 
 def test_finetune_with_gates_then_prune_and_generate(tiny_data, tmp_path):
@@ -78,7 +92,7 @@ def test_finetune_with_gates_then_prune_and_generate(tiny_data, tmp_path):
     assert sum(v.numel() for v in pruned.values()) < sum(v.numel() for v in state["model"].values())
     gated_out = generate(tiny_data, tmp_path / "gated.pt")
     pruned_out = generate(tiny_data, tmp_path / "pruned.pt")
-    assert hypotheses(pruned_out) == hypotheses(gated_out)
+    assert_same_hypotheses(pruned_out, gated_out)
 
 
 def test_pruned_shape_trains_from_scratch(tiny_data, tmp_path):

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Speech encoder training cost: local attention (Alastruey et al.'s windows) against global.
+
+    python benchmarks/speech_encoder.py [--seconds 10 30 60] [--batch 2] [--rounds 3]
+
+Both encoders are ``s2t_transformer_local`` at the paper's size (fairseq's s2t_transformer_s:
+12 layers, d=256, 4 heads, FFN 2048, two strided Conv1d layers), with the same weights: "local"
+uses the Table 1 windows (0,0,0,5,5,9,13,11,15,19,17,21; the banded operator), "global" sets
+every window to 0 (PyTorch's fused attention). Inputs are 80-dim fbank features at 100 frames per
+second (10 s = 1000 frames = 250 encoder frames after the x4 subsampler), in training mode with
+the paper's dropout 0.1.
+
+Time: one forward + backward of the encoder (loss: sum of the outputs), the median of --rounds
+rounds, the two models alternating within each round so that load from other processes on a
+shared machine hits them alike. Memory: the peak of the bytes torch allocates during one
+forward + backward (CPU: from the allocation events of torch's profiler, as
+benchmarks/banded_attention.py measures it; CUDA: torch.cuda.max_memory_allocated), above what
+was live before. The FLOP ceiling is the ratio of the two encoders' matrix-product operations
+(convolutions, projections, attention products): the most the speed-up can be where those
+products bound the speed. Target: local >= 1.5x faster than global at 60 s.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from argparse import Namespace
+
+# As in benchmarks/banded_attention.py: passive OpenMP workers on a shared machine.
+if "--spin" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from banded_attention import peak_bytes  # noqa: E402
+from fairseq.data import Dictionary  # noqa: E402
+
+from local_attn_fairseq.models.s2t_transformer_local import (  # noqa: E402
+    PAPER_WINDOWS,
+    S2TTransformerLocalModel,
+    s2t_transformer_local,
+)
+
+FBANK_DIM = 80
+FRAMES_PER_SECOND = 100
+MiB = 2**20
+TARGET_SPEEDUP = 1.5
+
+
+def build_encoder(windows: str, device):
+    args = Namespace(
+        input_feat_per_channel=FBANK_DIM,
+        input_channels=1,
+        max_source_positions=100_000,
+        max_target_positions=1024,
+        encoder_attention_windows=windows,
+    )
+    s2t_transformer_local(args)
+    dictionary = Dictionary()
+    model = S2TTransformerLocalModel.build_model(args, Namespace(target_dictionary=dictionary))
+    return model.encoder.to(device).train(), args
+
+
+def encoder_loss(encoder, features, lengths):
+    return encoder(features, lengths)["encoder_out"][0].sum()
+
+
+def step(encoder, features, lengths):
+    """One forward + backward; gradients dropped so that each step starts alike."""
+    encoder_loss(encoder, features, lengths).backward()
+    encoder.zero_grad(set_to_none=True)
+
+
+def timed_step(encoder, features, lengths):
+    sync = torch.cuda.synchronize if features.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    step(encoder, features, lengths)
+    sync()
+    return time.perf_counter() - start
+
+
+def peak_memory(encoder, features, lengths):
+    if features.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step(encoder, features, lengths)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    # peak_bytes runs fn(*inputs).backward(ones): the loss is already a scalar.
+    peak = peak_bytes(lambda f: encoder_loss(encoder, f, lengths), (features,), backward=True)
+    encoder.zero_grad(set_to_none=True)
+    return peak
+
+
+def matmul_flops(args, fbank_frames: int, batch: int, windows) -> float:
+    """Forward + backward (3x forward) operations of the encoder's matrix products."""
+    d, ffn = args.encoder_embed_dim, args.encoder_ffn_embed_dim
+    kernels = [int(k) for k in args.conv_kernel_sizes.split(",")]
+    frames, forward = fbank_frames, 0.0
+    channels = [FBANK_DIM, args.conv_channels // 2]
+    outputs = [args.conv_channels, 2 * d]
+    for k, c_in, c_out in zip(kernels, channels, outputs):
+        frames = (frames - 1) // 2 + 1
+        forward += 2 * frames * c_in * k * c_out
+    for w in windows:
+        keys = frames if w == 0 else min(w, frames)
+        forward += 2 * frames * (4 * d * d + 2 * d * ffn) + 4 * frames * keys * d
+    return 3 * forward * batch
+
+
+def measure(models, seconds, args):
+    frames = seconds * FRAMES_PER_SECOND
+    features = torch.randn(args.batch, frames, FBANK_DIM, device=args.device)
+    lengths = torch.full((args.batch,), frames, dtype=torch.long, device=args.device)
+    names = list(models)
+    for name in names:  # warm-up, not timed
+        step(models[name], features, lengths)
+    times = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(timed_step(models[name], features, lengths))
+    memory = {name: peak_memory(models[name], features, lengths) for name in names}
+    return {name: (statistics.median(times[name]), memory[name]) for name in names}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, nargs="+", default=[10, 30, 60])
+    parser.add_argument("--batch", type=int, default=2, help="utterances per batch")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--windows", default=PAPER_WINDOWS, help="the local model's windows")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--spin", action="store_true", help="keep OpenMP's spinning workers")
+    parser.add_argument("--output", help="also write the table to this file")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(1)
+    local, model_args = build_encoder(args.windows, args.device)
+    global_windows = ",".join("0" for _ in args.windows.split(","))
+    dense, _ = build_encoder(global_windows, args.device)
+    dense.load_state_dict(local.state_dict())
+    models = {"global": dense, "local": local}
+    windows = {name: [int(w) for w in m.attention_windows] for name, m in models.items()}
+
+    lines = [
+        f"s2t_transformer_local encoder (12 x d256, 4 heads), forward + backward, batch "
+        f"{args.batch}, {args.device}, torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads; local windows {args.windows}; times: median of {args.rounds} rounds",
+        "",
+        "| audio | fbank frames | encoder frames | global s | local s | speed-up | "
+        "FLOP ceiling | global peak MiB | local peak MiB | memory ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+    speedups = {}
+    for seconds in args.seconds:
+        result = measure(models, seconds, args)
+        frames = seconds * FRAMES_PER_SECOND
+        encoder_frames = int(local.subsample.get_out_seq_lens_tensor(torch.tensor([frames])))
+        (t_global, m_global), (t_local, m_local) = result["global"], result["local"]
+        flops = {n: matmul_flops(model_args, frames, args.batch, windows[n]) for n in models}
+        speedups[seconds] = t_global / t_local
+        lines.append(
+            f"| {seconds} s | {frames} | {encoder_frames} | {t_global:.3f} | {t_local:.3f} | "
+            f"{t_global / t_local:.2f}x | {flops['global'] / flops['local']:.2f}x | "
+            f"{m_global / MiB:.0f} | {m_local / MiB:.0f} | {m_global / max(m_local, 1):.2f}x |"
+        )
+        print(lines[-1], flush=True)
+    longest = max(speedups)
+    verdict = "met" if speedups[longest] >= TARGET_SPEEDUP else "NOT met"
+    lines.append(
+        f"\nspeed-up at {longest} s: {speedups[longest]:.2f}x (target >= {TARGET_SPEEDUP}x: "
+        f"{verdict})"
+    )
+    print(lines[-1])
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""``local-attn-analyze contributions``: encoder contributions, their diagonality and the local
+attention windows they suggest (Alastruey et al. 2022, Table 1 and Figures 3-4).
+
+    local-attn-analyze contributions --path asr/checkpoint_best.pt --data DATA \\
+        --config-yaml config_asr.yaml --gen-subset dev_asr --num-sentences 400 --output-dir out \\
+        [--compare-path st/checkpoint_best.pt --compare-config-yaml config_st.yaml \\
+         --compare-gen-subset dev_st]
+
+Writes, in --output-dir: ``contributions.json`` (per layer: mu, sigma, w, CL, CCD; and the same
+for the compared model), ``windows.txt`` (the value of ``--encoder-attention-windows`` for
+``s2t_transformer_local``), ``contribution_matrices.png`` (one sentence, main diagonal hidden,
+the chosen windows outlined) and ``ccd.png`` (CCD per layer, both models).
+"""
+
+import os
+import random
+
+import torch
+from tqdm import tqdm
+
+from . import contributions as contrib
+from .loading import AnalysisInputError, reports_input_errors
+from .output import output_path, pyplot, save_figure, write_json
+
+HELP = "contributions of encoder self-attention (Alastruey et al.): windows, CL and CCD per layer"
+
+
+def add_arguments(parser):
+    parser.add_argument("--path", required=True, help="fairseq checkpoint to analyse")
+    parser.add_argument("--data", required=True, help="the task's data directory")
+    parser.add_argument(
+        "--config-yaml", help="speech_to_text: the data config (e.g. config_asr.yaml)"
+    )
+    parser.add_argument("--gen-subset", default="dev_asr", help="subset to sample sentences from")
+    parser.add_argument("--label", default="ASR", help="name of the model in plots and tables")
+    parser.add_argument("--compare-path", help="a second checkpoint (e.g. the ST model)")
+    parser.add_argument("--compare-data", help="its data directory (default: --data)")
+    parser.add_argument("--compare-config-yaml", help="its data config (e.g. config_st.yaml)")
+    parser.add_argument("--compare-gen-subset", default="dev_st")
+    parser.add_argument("--compare-label", default="ST")
+    parser.add_argument("--num-sentences", type=int, default=400, help="random sample size")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the random sample")
+    parser.add_argument("--batch-size", type=int, default=16, help="sentences per forward pass")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=contrib.DEFAULT_THRESHOLD,
+        help="Algorithm 1's t: least mean contribution of a sub/super-diagonal inside a window",
+    )
+    parser.add_argument(
+        "--max-contribution-loss",
+        type=float,
+        default=contrib.DEFAULT_MAX_CONTRIBUTION_LOSS,
+        help="layers whose window leaves out at least this share (CL) stay global in "
+        "windows.txt (the paper's tables separate at 0.25)",
+    )
+    parser.add_argument(
+        "--global-layers",
+        type=int,
+        help="instead of the CL rule, keep exactly the first N layers global (the paper: 3)",
+    )
+    parser.add_argument(
+        "--plot-sentence",
+        type=int,
+        default=0,
+        help="which sampled sentence contribution_matrices.png shows (its position in the sample)",
+    )
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even with a GPU")
+
+
+@reports_input_errors
+def run(args):
+    if args.num_sentences < 1:
+        raise AnalysisInputError(f"--num-sentences must be >= 1, got {args.num_sentences}")
+    device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
+    primary = analyse(args.path, args.data, args.config_yaml, args.gen_subset, args, device)
+    chosen = contrib.choose_windows(
+        primary["layers"], args.max_contribution_loss, args.global_layers
+    )
+    windows = ",".join(map(str, chosen))
+    results = {**primary, "label": args.label, "encoder_attention_windows": windows}
+    for layer, window in zip(results["layers"], chosen):
+        layer["chosen_window"] = window
+    print_table(results)
+    compared = None
+    if args.compare_path:
+        compared = analyse(
+            args.compare_path,
+            args.compare_data or args.data,
+            args.compare_config_yaml,
+            args.compare_gen_subset,
+            args,
+            device,
+        )
+        compared["label"] = args.compare_label
+        print_table(compared)
+        results["compare"] = {k: v for k, v in compared.items() if k != "plot"}
+    plot_matrices(results["plot"], chosen, args.output_dir)
+    plot_ccd([results, compared] if compared else [results], args.output_dir)
+    with open(output_path(args.output_dir, "windows.txt"), "w", encoding="utf-8") as f:
+        f.write(windows + "\n")
+    write_json(
+        args.output_dir, "contributions.json", {k: v for k, v in results.items() if k != "plot"}
+    )
+    print(f"\n--encoder-attention-windows {windows}")
+    written = "contributions.json, windows.txt, contribution_matrices.png, ccd.png"
+    print(f"wrote {written} to {args.output_dir}")
+    return 0
+
+
+def load(path, data, config_yaml, device):
+    """The model and task of a checkpoint, reading data from ``data`` (and ``config_yaml``)."""
+    from fairseq import checkpoint_utils
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--path: no checkpoint file {path}")
+    overrides = {"data": data}
+    if config_yaml:
+        if not os.path.isfile(os.path.join(data, config_yaml)) and not os.path.isfile(config_yaml):
+            raise FileNotFoundError(f"--config-yaml: no file {config_yaml} in {data}")
+        overrides["config_yaml"] = config_yaml
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=overrides)
+    model = models[0].to(device).eval()
+    return model, task
+
+
+def sample_batches(task, subset, num_sentences, seed, batch_size):
+    """A seeded random sample of the subset, batched in order of length (little padding);
+    also returns the sample's dataset indices in drawn order."""
+    try:
+        task.load_dataset(subset)
+    except FileNotFoundError as e:
+        raise AnalysisInputError(f"cannot load subset {subset!r}: {e}") from None
+    dataset = task.dataset(subset)
+    if len(dataset) == 0:
+        raise AnalysisInputError(f"subset {subset!r} is empty")
+    drawn = random.Random(seed).sample(range(len(dataset)), min(num_sentences, len(dataset)))
+    by_length = sorted(drawn, key=dataset.num_tokens)
+    chunks = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
+    return dataset, chunks, drawn
+
+
+def analyse(path, data, config_yaml, subset, args, device):
+    """Per-layer statistics of one checkpoint over the sample, plus one sentence for the plot."""
+    model, task = load(path, data, config_yaml, device)
+    dataset, chunks, drawn = sample_batches(
+        task, subset, args.num_sentences, args.seed, args.batch_size
+    )
+    plotted = drawn[min(max(args.plot_sentence, 0), len(drawn) - 1)]
+    layers, plot = None, None
+    progress = tqdm(total=len(drawn), desc=f"contributions {os.path.basename(path)}", unit="sent")
+    for chunk in chunks:
+        batch = dataset.collater([dataset[i] for i in chunk])
+        net_input = {k: v.to(device) for k, v in batch["net_input"].items() if k.startswith("src")}
+        pieces = contrib.encoder_pieces(model, net_input)
+        layers = layers or [contrib.LayerSample() for _ in pieces]
+        for layer, sample, per_sentence in zip(range(len(pieces)), layers, pieces):
+            for position, sentence in enumerate(per_sentence):
+                normalised = contrib.normalise_rows(contrib.contribution_matrix(sentence).cpu())
+                sample.add(normalised, args.threshold)
+                if chunk[position] == plotted:
+                    plot = plot or {"sentence": plotted, "matrices": []}
+                    plot["matrices"].append(normalised.float().numpy())
+        progress.update(len(chunk))
+    progress.close()
+    return {
+        "checkpoint": path,
+        "subset": subset,
+        "num_sentences": len(drawn),
+        "threshold": args.threshold,
+        "layers": [sample.summary(index + 1) for index, sample in enumerate(layers)],
+        "plot": plot,
+    }
+
+
+def print_table(results):
+    """Table 1's layout: layer, mu +- sigma of Algorithm 1's windows, w, CL; and CCD."""
+    print(
+        f"\n{results.get('label', '')}: {results['checkpoint']} on {results['subset']}, "
+        f"{results['num_sentences']} sentences, t = {results['threshold']}"
+    )
+    print(f"{'layer':>5}  {'mu +- sigma':>15}  {'w':>3}  {'CL':>12}  {'CCD':>14}  used")
+    for s in results["layers"]:
+        used = s.get("chosen_window")
+        used = "" if used is None else ("global *" if used == 0 else str(used))
+        print(
+            f"{s['layer']:>5}  {s['window_mean']:6.2f} +- {s['window_std']:5.2f}  "
+            f"{s['window']:>3}  {s['contribution_loss_mean']:.2f} +- "
+            f"{s['contribution_loss_std']:.2f}  {s['ccd_mean']:.3f} +- {s['ccd_std']:.3f}  {used}"
+        )
+
+
+def plot_matrices(plot, windows, output_dir):
+    """Figure 4: each layer's contribution matrix of one sentence, main diagonal hidden (it
+    holds most of every row and would wash out the rest), the layer's window outlined."""
+    import numpy as np
+
+    plt = pyplot()
+    matrices = plot["matrices"]
+    cols = min(4, len(matrices))
+    rows = -(-len(matrices) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    for ax in axes.flat[len(matrices) :]:
+        ax.axis("off")
+    for layer, (ax, matrix) in enumerate(zip(axes.flat, matrices)):
+        shown = matrix.copy()
+        np.fill_diagonal(shown, np.nan)
+        ax.imshow(shown, cmap="Blues", interpolation="nearest")
+        n = matrix.shape[0]
+        half = (windows[layer] - 1) // 2 if windows[layer] else None
+        if half is not None:
+            edges = np.array([-0.5, n - 0.5])
+            for offset in (-half - 0.5, half + 0.5):  # the window's edges, j - i = offset
+                ax.plot(edges, edges - offset, color="red", lw=0.8)
+            ax.set_xlim(-0.5, n - 0.5)
+            ax.set_ylim(n - 0.5, -0.5)
+        title = f"layer {layer + 1}" + (f", w={windows[layer]}" if half is not None else ", global")
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(f"contributions, sentence {plot['sentence']} (main diagonal hidden)")
+    fig.tight_layout()
+    save_figure(fig, output_dir, "contribution_matrices.png")
+
+
+def plot_ccd(all_results, output_dir):
+    """Figure 3: mean CCD per layer, the first model dashed, the compared one solid."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for results, style in zip(all_results, ("--", "-")):
+        layers = [s["layer"] for s in results["layers"]]
+        ccd = [s["ccd_mean"] for s in results["layers"]]
+        ax.plot(layers, ccd, style, marker="o", label=results.get("label"))
+    ax.set_xlabel("encoder layer")
+    ax.set_ylabel("CCD (area under D(w) / (2N - 1))")
+    ax.set_xticks(layers)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, output_dir, "ccd.png")

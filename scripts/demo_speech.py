@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""The speech demo: local attention windows for speech translation, chosen from contributions.
+
+Alastruey et al. (2022)'s recipe on a corpus any machine can make, end to end on the CPU:
+
+1. speaks 2000 short (at most 10 words) English Ding sentences with espeak-ng in MuST-C's layout, German translations
+   beside them (``scripts/data/synthesize_speech_corpus.py``);
+2. prepares fbank manifests, vocabularies and configs (``scripts/data/prepare_mustc.py``);
+3. pre-trains an ASR model, ``s2t_transformer_local_tiny`` with every encoder layer global;
+4. runs ``local-attn-analyze contributions`` on it: the encoder's contribution matrices give one
+   window per layer (``windows.txt``);
+5. trains two ST models side by side, both with the encoder initialised from the ASR model
+   (``--load-pretrained-encoder-from``): the baseline with global attention, and the local one
+   with the windows of step 4;
+6. scores ASR with WER and both ST models with BLEU on tst-COMMON (``fairseq-generate``) and
+   prints one table, also written to ``<work-dir>/results.md``.
+
+Every step is skipped when its output exists, so a second run only redoes what is missing.
+``--quick`` is a reduced run (small corpus, one epoch) that checks the whole pipeline in minutes.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+USER_DIR = os.path.join(ROOT, "local_attn_fairseq")
+BIN = os.path.dirname(sys.executable)
+sys.path.insert(0, HERE)
+from demo import run  # noqa: E402
+
+ARCH = "s2t_transformer_local_tiny"
+ENCODER_LAYERS = 6  # the tiny arch's
+GLOBAL_WINDOWS = ",".join(["0"] * ENCODER_LAYERS)
+SCHEDULE = (
+    "--optimizer adam --adam-betas (0.9,0.98) --lr 2e-3 --lr-scheduler inverse_sqrt "
+    "--warmup-updates 300 --clip-norm 10 --dropout 0.1 "
+    "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 5000 "
+    "--required-batch-size-multiple 1 --num-workers 0 --seed 1 --no-epoch-checkpoints "
+    "--no-last-checkpoints --log-format simple --log-interval 50"
+).split()
+# fairseq-fixed drops a last batch smaller than --required-batch-size-multiple: with 1 every
+# test utterance is decoded.
+GENERATE = (
+    "--task speech_to_text --beam 5 --batch-size 50 --max-len-b 60 --num-workers 0 "
+    "--required-batch-size-multiple 1"
+).split()
+SCORING = {
+    "asr": "--scoring wer --wer-tokenizer 13a --wer-lowercase --wer-remove-punct".split(),
+    "st": ["--scoring", "sacrebleu"],
+}
+FULL = {"train": 2000, "dev": 200, "test": 200, "vocab": 300, "asr_epochs": 20, "st_epochs": 20}
+QUICK = {"train": 96, "dev": 16, "test": 16, "vocab": 250, "asr_epochs": 1, "st_epochs": 1}
+# Short sentences: cheaper batches, and fewer frames for attention to align on a CPU budget.
+MAX_WORDS = 10
+
+
+def synthesize(corpus, sizes, workers):
+    if os.path.exists(os.path.join(corpus, "en-de", "data", "tst-COMMON", "txt", "tst-COMMON.de")):
+        return
+    run(
+        [
+            sys.executable, os.path.join(HERE, "data", "synthesize_speech_corpus.py"),
+            "--out-dir", corpus, "--train-size", sizes["train"], "--dev-size", sizes["dev"],
+            "--test-size", sizes["test"], "--utterances-per-talk", 4, "--max-words", MAX_WORDS,
+            "--workers", workers,
+        ]
+    )  # fmt: skip
+
+
+def prepare(corpus, data, vocab_size, workers):
+    if os.path.exists(os.path.join(data, "config_st.yaml")):
+        return
+    run(
+        [
+            sys.executable, os.path.join(HERE, "data", "prepare_mustc.py"), "--mustc-root",
+            corpus, "--lang", "de", "--out-dir", data, "--vocab-size", vocab_size,
+            "--workers", workers,
+        ]
+    )  # fmt: skip
+
+
+def train_command(data, task, save_dir, windows, epochs, pretrained=None):
+    cmd = [
+        os.path.join(BIN, "fairseq-train"), data, "--user-dir", USER_DIR, "--task",
+        "speech_to_text", "--config-yaml", f"config_{task}.yaml", "--train-subset",
+        f"train_{task}", "--valid-subset", f"dev_{task}", "--arch", ARCH,
+        "--encoder-attention-windows", windows, *SCHEDULE, "--max-epoch", epochs,
+        "--save-dir", save_dir,
+    ]  # fmt: skip
+    if pretrained:
+        cmd += ["--load-pretrained-encoder-from", pretrained]
+    return [str(c) for c in cmd]
+
+
+def train_side_by_side(runs):
+    """Train [(name, command, save_dir)] at once, the cores split between them; returns the
+    seconds each took. Small models use two threads poorly, so together they finish sooner."""
+    threads = str(max(1, (os.cpu_count() or 2) // len(runs)))
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    started, processes = time.time(), []
+    for name, cmd, save_dir in runs:
+        if os.path.exists(os.path.join(save_dir, "checkpoint_best.pt")):
+            continue
+        os.makedirs(save_dir, exist_ok=True)
+        print("$ " + " ".join(cmd), flush=True)
+        log = open(os.path.join(save_dir, "train.log"), "w")
+        processes.append((name, save_dir, subprocess.Popen(cmd, stdout=log, stderr=log, env=env)))
+    for name, save_dir, process in processes:
+        if process.wait() != 0:
+            log_path = os.path.join(save_dir, "train.log")
+            sys.exit(f"training {name} failed, see {log_path}:\n{open(log_path).read()[-3000:]}")
+    if processes:
+        print(f"| trained {', '.join(p[0] for p in processes)} in {time.time() - started:.0f} s")
+
+
+def score(data, checkpoint, task, out_path):
+    if not os.path.exists(out_path):
+        run(
+            [
+                os.path.join(BIN, "fairseq-generate"), data, "--user-dir", USER_DIR, "--path",
+                checkpoint, *GENERATE, "--config-yaml", f"config_{task}.yaml", "--gen-subset",
+                f"tst-COMMON_{task}", *SCORING[task],
+            ],
+            log_path=out_path,
+        )  # fmt: skip
+    pattern = r"WER: ([\d.]+)" if task == "asr" else r"BLEU = ([\d.]+)"
+    match = re.search(pattern, open(out_path).read())
+    if not match:
+        sys.exit(f"no score in {out_path}")
+    return float(match.group(1))
+
+
+def derive_windows(data, asr_checkpoint, out_dir, num_sentences):
+    windows_path = os.path.join(out_dir, "windows.txt")
+    if not os.path.exists(windows_path):
+        run(
+            [
+                os.path.join(BIN, "local-attn-analyze"), "contributions", "--path",
+                asr_checkpoint, "--data", data, "--config-yaml", "config_asr.yaml",
+                "--gen-subset", "dev_asr", "--num-sentences", num_sentences,
+                "--output-dir", out_dir,
+            ],
+            log_path=os.path.join(out_dir + ".log"),
+        )  # fmt: skip
+    return open(windows_path).read().strip()
+
+
+def results_table(rows):
+    lines = ["| model | encoder attention windows | tst-COMMON |", "|---|---|---:|"]
+    for row in rows:
+        lines.append(f"| {row['model']} | {row['windows']} | {row['metric']} {row['score']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", default=os.path.join(ROOT, "demo_runs", "speech"))
+    parser.add_argument("--quick", action="store_true", help="small corpus, one epoch each")
+    parser.add_argument("--asr-epochs", type=int, help="ASR pre-training epochs")
+    parser.add_argument("--st-epochs", type=int, help="epochs of each ST model")
+    parser.add_argument("--workers", type=int, default=2, help="synthesis and preparation")
+    args = parser.parse_args()
+
+    sizes = dict(QUICK if args.quick else FULL)
+    sizes["asr_epochs"] = args.asr_epochs or sizes["asr_epochs"]
+    sizes["st_epochs"] = args.st_epochs or sizes["st_epochs"]
+    work = os.path.abspath(args.work_dir)
+    os.makedirs(work, exist_ok=True)
+    # Each corpus size and vocabulary gets its own directories: a --quick run never reuses
+    # the full demo's files, nor the other way round.
+    tag = f"{sizes['train']}-{sizes['dev']}-{sizes['test']}"
+    corpus = os.path.join(work, f"corpus_{tag}")
+    experiment = os.path.join(work, f"runs_{tag}_spm{sizes['vocab']}")
+    data = os.path.join(experiment, "data")
+    started = time.time()
+
+    synthesize(corpus, sizes, args.workers)
+    prepare(corpus, data, sizes["vocab"], args.workers)
+
+    asr_dir = os.path.join(experiment, f"asr_e{sizes['asr_epochs']}")
+    asr_cmd = train_command(data, "asr", asr_dir, GLOBAL_WINDOWS, sizes["asr_epochs"])
+    train_side_by_side([("ASR", asr_cmd, asr_dir)])
+    asr = os.path.join(asr_dir, "checkpoint_best.pt")
+    windows = derive_windows(data, asr, os.path.join(asr_dir, "contributions"), sizes["dev"])
+    print(f"| windows from the ASR encoder's contributions: {windows}")
+
+    st_runs = {}
+    for name, st_windows in (("global", GLOBAL_WINDOWS), ("local", windows)):
+        save_dir = os.path.join(
+            asr_dir, f"st_{name}_e{sizes['st_epochs']}_w{st_windows.replace(',', '-')}"
+        )
+        cmd = train_command(data, "st", save_dir, st_windows, sizes["st_epochs"], pretrained=asr)
+        st_runs[name] = (save_dir, st_windows, cmd)
+    train_side_by_side([(f"ST {n}", cmd, d) for n, (d, _, cmd) in st_runs.items()])
+
+    rows = [
+        {"model": "ASR (global)", "windows": GLOBAL_WINDOWS, "metric": "WER",
+         "score": score(data, asr, "asr", os.path.join(asr_dir, "generate-tst-COMMON.txt"))},
+    ]  # fmt: skip
+    for name, label in (("global", "ST baseline (global)"), ("local", "ST local (windows)")):
+        save_dir, st_windows, _ = st_runs[name]
+        checkpoint = os.path.join(save_dir, "checkpoint_best.pt")
+        bleu = score(data, checkpoint, "st", os.path.join(save_dir, "generate-tst-COMMON.txt"))
+        rows.append({"model": label, "windows": st_windows, "metric": "BLEU", "score": bleu})
+
+    table = results_table(rows)
+    title = (
+        f"Synthetic MuST-C en-de (espeak-ng), tst-COMMON {sizes['test']} utterances; "
+        f"{sizes['train']} training utterances, ASR {sizes['asr_epochs']} epochs, "
+        f"ST {sizes['st_epochs']} epochs each"
+    )
+    with open(os.path.join(work, "results.md"), "w") as f:
+        f.write(f"{title}\n\n{table}\n")
+    with open(os.path.join(work, "results.json"), "w") as f:
+        json.dump({"sizes": sizes, "rows": rows}, f, indent=2)
+    print(f"\n{title}, {(time.time() - started) / 60:.1f} min\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()

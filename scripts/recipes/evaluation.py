@@ -1,0 +1,162 @@
+"""The evaluate stage: decode or score the row's final checkpoint as the paper did, then write
+``results.json`` and print the measured numbers beside the paper's.
+"""
+
+import json
+import os
+import re
+
+import scoring
+from recipe_config import RecipeError
+from text_preparation import dataset_of, raw_path
+
+# q, k, v and output projections of the encoder's self-attention (the papers' attention
+# parameter counts), in text (layers) and speech (transformer_layers) encoders
+_ENCODER_ATTENTION_WEIGHT = re.compile(
+    r"^encoder\.(transformer_)?layers\.\d+\.self_attn\..*weight$"
+)
+
+
+def evaluate_row(run, row):
+    checkpoint = run.final_checkpoint(row)
+    settings = row["evaluate"]
+    subset = settings.get("subset", "test")
+    if not run.dry_run and not os.path.exists(checkpoint):
+        raise RecipeError(f"{checkpoint} does not exist: run the train and average stages first")
+    if run.kind == "language_model":
+        measured = evaluate_language_model(run, row, checkpoint, subset)
+    elif run.kind == "speech":
+        from speech import evaluate_speech
+
+        measured = evaluate_speech(run, row, checkpoint, subset)
+    else:
+        measured = evaluate_translation(run, row, checkpoint, subset, settings)
+    if run.dry_run:
+        return None
+    measured.update(model_facts(run, row, checkpoint))
+    return report(run, row, subset, measured)
+
+
+def decode_argv(run, row, checkpoint, subset, settings):
+    out_dir = os.path.join(run.row_dir(row["name"]), f"generate-{subset}")
+    argv = [run.data_path(row), "--user-dir", run_user_dir(), "--path", checkpoint]
+    argv += ["--gen-subset", subset, "--beam", settings.get("beam", 5)]
+    argv += [
+        "--lenpen",
+        settings.get("lenpen", 1.0),
+        "--batch-size",
+        settings.get("batch_size", 64),
+    ]
+    # default: outputs up to the input length + 50 (Vaswani et al.)
+    argv += [
+        "--max-len-a",
+        settings.get("max_len_a", 1),
+        "--max-len-b",
+        settings.get("max_len_b", 50),
+    ]
+    # every sentence is decoded: batches need not be a multiple of 8 (fairseq's default)
+    argv += ["--results-path", out_dir, "--required-batch-size-multiple", 1]
+    return argv, os.path.join(out_dir, f"generate-{subset}.txt")
+
+
+def run_user_dir():
+    from run_recipe import USER_DIR
+
+    return USER_DIR
+
+
+def evaluate_translation(run, row, checkpoint, subset, settings):
+    argv, output = decode_argv(run, row, checkpoint, subset, settings)
+    argv += ["--remove-bpe", "sentencepiece", "--scoring", "sacrebleu", "--num-workers", 0]
+    run.run_tool("fairseq-generate", argv, os.path.join(run.row_dir(row["name"]), "generate.log"))
+    if run.dry_run:
+        return {}
+    target = dataset_of(run)["target"]
+    with open(raw_path(run, subset, target), encoding="utf-8") as f:
+        references = [line.rstrip("\n") for line in f]
+    hyps, _ = scoring.read_generate_output(output, expected=len(references))
+    measured = {"sacrebleu": scoring.sacrebleu_score(hyps, references)}
+    variants = settings.get("bleu", ["sacrebleu"])
+    if "tokenized" in variants:
+        measured["tokenized_bleu"] = scoring.tokenized_bleu(hyps, references, target)
+        if measured["tokenized_bleu"] is None:
+            print("| tokenised BLEU needs Moses' tokeniser: pip install sacremoses")
+    # "bleu" is the variant the paper reports (the first listed), beside its number
+    measured["bleu"] = measured["tokenized_bleu" if variants[0] == "tokenized" else "sacrebleu"]
+    return measured
+
+
+def evaluate_language_model(run, row, checkpoint, subset):
+    argv = [run.bin, "--user-dir", run_user_dir(), "--path", checkpoint, "--gen-subset", subset]
+    argv += ["--task", "language_modeling", "--sample-break-mode", "eos"]
+    argv += ["--max-tokens", 4096, "--num-workers", 0]
+    result = run.run_tool(
+        "fairseq-eval-lm", argv, os.path.join(run.row_dir(row["name"]), "eval_lm.log")
+    )
+    return {} if run.dry_run else {"perplexity": round(float(result["perplexity"]), 2)}
+
+
+def model_facts(run, row, checkpoint):
+    """Size and speed: parameters, encoder attention weights, heads kept, updates per second."""
+    facts = {}
+    log = os.path.join(run.row_dir(row["name"]), "train.log")
+    if os.path.exists(log):
+        with open(log, encoding="utf-8") as f:
+            summary = scoring.training_summary(f.read())
+        facts["steps_per_s"] = summary["updates_per_s"]
+    state = _load(checkpoint)
+    facts["params"] = count_parameters(state["model"])
+    facts["encoder_attention_params"] = sum(
+        v.numel() for k, v in state["model"].items() if _ENCODER_ATTENTION_WEIGHT.match(k)
+    )
+    kept_path = os.path.join(run.row_dir(row["name"]), "heads_kept.json")
+    if row["prune"] and os.path.exists(kept_path):
+        with open(kept_path) as f:
+            kept = json.load(f)
+        order = ("encoder_self", "decoder_self", "decoder_cross")
+        facts["heads"] = "/".join(str(sum(map(len, kept[t]))) for t in order if t in kept)
+    return facts
+
+
+def _load(checkpoint):
+    import torch
+
+    return torch.load(checkpoint, map_location="cpu", weights_only=False)
+
+
+def count_parameters(weights):
+    """Model parameters in a state dict, a tensor shared by several names (tied embeddings)
+    counted once, buffers (version counters, position tables' placeholders) left out."""
+    seen, total = set(), 0
+    for key, value in weights.items():
+        if key.endswith("_float_tensor") or key.endswith(".version"):
+            continue
+        storage = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
+        if storage not in seen:
+            seen.add(storage)
+            total += value.numel()
+    return total
+
+
+def report(run, row, subset, measured):
+    results = {
+        "recipe": run.recipe["name"],
+        "row": row["name"],
+        "table": row["table"],
+        "subset": subset,
+        "seed": run.seed,
+        "checkpoint": run.final_checkpoint(row),
+        "measured": measured,
+        "paper": row["paper"],
+    }
+    path = os.path.join(run.row_dir(row["name"]), "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\n{run.recipe['name']} | {row['name']} | {subset} (seed {run.seed})")
+    print(f"{'metric':26s} {'measured':>14s} {'paper':>16s}")
+    for key in sorted(set(measured) | set(row["paper"])):
+        value = measured.get(key)
+        shown = "-" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
+        print(f"{key:26s} {shown:>14s} {str(row['paper'].get(key, '')):>16s}")
+    print(f"(written to {path})")
+    return results

@@ -1,0 +1,218 @@
+"""Recipes as data: loading ``configs/recipes/*.yaml``, choosing a row, and the fairseq options
+a row trains with. No fairseq import here, so listing rows and printing commands stay instant.
+
+A recipe file holds ``paper``, ``kind`` (translation, language_model or speech), ``data`` (a key
+of ``datasets.yaml``, or a speech data description), ``prepare``, ``train`` (``arch``,
+``tokens_per_batch``, ``max_tokens_per_gpu``, ``args``: fairseq-train options), ``average``,
+``evaluate`` and ``rows``. A row may set ``arch``, ``args``, ``average``, ``evaluate`` (merged
+over the recipe's), ``paper`` (the numbers the paper reports), ``table``, ``base_row`` + ``init``
+(start from another row's averaged model), ``prune``, ``heads_kept_from_row`` and
+``unsupported`` (the row is listed but refused, with that reason). ``extends: OTHER`` merges the
+file over another recipe; ``drop_rows`` removes inherited rows; keys starting with ``_`` hold
+YAML anchors only. In every merge a ``null`` value deletes the key it meets.
+"""
+
+import copy
+import difflib
+import math
+import os
+import re
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG_DIR = os.path.join(ROOT, "configs", "recipes")
+SPECIAL_FILES = ("datasets", "profiles")
+KINDS = ("translation", "language_model", "speech")
+
+
+class RecipeError(ValueError):
+    """A recipe, a row or an option that cannot be used, with a message saying why."""
+
+
+def recipe_names():
+    return sorted(
+        f[: -len(".yaml")]
+        for f in os.listdir(CONFIG_DIR)
+        if f.endswith(".yaml") and f[: -len(".yaml")] not in SPECIAL_FILES
+    )
+
+
+def _read_yaml(name):
+    path = os.path.join(CONFIG_DIR, f"{name}.yaml")
+    if not os.path.exists(path):
+        raise RecipeError(_unknown("recipe", name, recipe_names()))
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping, not {type(data).__name__}")
+    return {k: v for k, v in data.items() if not str(k).startswith("_")}
+
+
+def _unknown(what, name, known):
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return f"unknown {what} {name!r}{hint} (known: {', '.join(known)})"
+
+
+def deep_merge(base, over):
+    """``over`` merged into a copy of ``base``: mappings recursively, a None value deletes."""
+    merged = copy.deepcopy(base)
+    for key, value in over.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_recipe(name, _seen=()):
+    if name in _seen:
+        raise RecipeError(f"recipe {name!r} extends itself (through {' -> '.join(_seen)})")
+    data = _read_yaml(name)
+    parent = data.pop("extends", None)
+    dropped = data.pop("drop_rows", [])
+    if parent:
+        data = deep_merge(load_recipe(parent, _seen + (name,)), data)
+    for row in dropped:
+        data.get("rows", {}).pop(row, None)
+    data["name"] = name
+    _check_recipe(data)
+    return data
+
+
+def _check_recipe(recipe):
+    name = recipe["name"]
+    for key in ("kind", "data", "train", "rows"):
+        if key not in recipe:
+            raise RecipeError(f"recipe {name}: missing key {key!r}")
+    if recipe["kind"] not in KINDS:
+        raise RecipeError(f"recipe {name}: kind {recipe['kind']!r} is not one of {KINDS}")
+    for row_name, row in recipe["rows"].items():
+        for ref in ("base_row", "heads_kept_from_row"):
+            if row.get(ref) and row[ref] not in recipe["rows"]:
+                raise RecipeError(f"recipe {name}, row {row_name!r}: {ref} {row[ref]!r} is no row")
+
+
+def load_profile(recipe, profile):
+    with open(os.path.join(CONFIG_DIR, "profiles.yaml"), encoding="utf-8") as f:
+        profiles = yaml.safe_load(f)
+    if profile not in profiles:
+        raise RecipeError(_unknown("profile", profile, sorted(profiles)))
+    return profiles[profile].get(recipe["kind"], {})
+
+
+def load_dataset(name):
+    with open(os.path.join(CONFIG_DIR, "datasets.yaml"), encoding="utf-8") as f:
+        datasets = yaml.safe_load(f)
+    if name not in datasets:
+        raise RecipeError(_unknown("data set", name, sorted(datasets)))
+    return datasets[name]
+
+
+def parse_override(text):
+    """``KEY=VALUE`` -> ({nested mapping}); a dotted KEY names a recipe setting
+    (``prepare.vocab_size=8000``), a plain one a fairseq-train option (``max-update=2``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--override {text!r} is not KEY=VALUE (e.g. max-update=2)")
+    value = yaml.safe_load(value) if value != "" else ""
+    path = key.split(".") if "." in key else ["train", "args", key]
+    for part in reversed(path):
+        value = {part: value}
+    return value
+
+
+def row_names(recipe):
+    return list(recipe["rows"])
+
+
+def get_row(recipe, name):
+    """The row's settings merged over the recipe's: {arch, args, average, evaluate, ...}."""
+    rows = recipe["rows"]
+    if name not in rows:
+        raise RecipeError(_unknown(f"row of {recipe['name']}", name, list(rows)))
+    row = rows[name]
+    if row.get("unsupported"):
+        raise RecipeError(f"row {name!r} of {recipe['name']} cannot be run: {row['unsupported']}")
+    train = recipe["train"]
+    return {
+        "name": name,
+        "arch": row.get("arch", train["arch"]),
+        "args": deep_merge(train.get("args", {}), row.get("args", {})),
+        "average": deep_merge(recipe.get("average", {"last": 1}), row.get("average", {})),
+        "evaluate": deep_merge(recipe.get("evaluate", {}), row.get("evaluate", {})),
+        "paper": row.get("paper", {}),
+        "table": row.get("table", ""),
+        "base_row": row.get("base_row"),
+        "init": row.get("init", "model"),
+        "prune": bool(row.get("prune")),
+        "heads_kept_from_row": row.get("heads_kept_from_row"),
+        "data": row.get("data"),
+    }
+
+
+def with_settings(recipe, profile=None, overrides=()):
+    """The recipe with a profile and --override settings merged over it (rows' args included:
+    profile and overrides win over every row)."""
+    layers = [load_profile(recipe, profile)] if profile else []
+    layers += [parse_override(o) for o in overrides]
+    for layer in layers:
+        recipe = deep_merge(recipe, layer)
+        args = layer.get("train", {}).get("args")
+        if args:
+            recipe["rows"] = {
+                n: deep_merge(r, {"args": args}) if not r.get("unsupported") else r
+                for n, r in recipe["rows"].items()
+            }
+    return recipe
+
+
+def update_freq(tokens_per_batch, max_tokens_per_gpu, gpus):
+    """Gradient accumulation steps that give the paper's tokens per update on ``gpus`` GPUs."""
+    if gpus < 1 or max_tokens_per_gpu < 1:
+        raise RecipeError(f"--gpus ({gpus}) and max_tokens_per_gpu must be at least 1")
+    return max(1, math.ceil(tokens_per_batch / (max_tokens_per_gpu * gpus)))
+
+
+def options_to_argv(options):
+    """{option: value} -> fairseq command-line tokens; True is a bare flag, False omits it."""
+    argv = []
+    for key, value in options.items():
+        if value is False or value is None:
+            continue
+        argv.append(f"--{key}")
+        if value is not True:
+            argv.append(_format_value(value))
+    return argv
+
+
+def _format_value(value):
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def data_name(recipe):
+    """The prepared data's directory name: recipes that prepare a corpus alike share it."""
+    if recipe["kind"] == "speech":
+        return slug(f"{recipe['data']['name']}")
+    prepare = recipe.get("prepare", {})
+    parts = [
+        recipe["data"],
+        f"{prepare.get('model_type', 'bpe')}{prepare.get('vocab_size', 32000)}",
+        "joint" if prepare.get("joint") else "separate",
+    ]
+    if prepare.get("max_length"):
+        parts.append(f"max{prepare['max_length']}")
+    return "_".join(str(p) for p in parts)
+
+
+def slug(name):
+    """A directory name for a row: lower case, runs of other characters as one dash."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "row"

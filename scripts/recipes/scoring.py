@@ -1,0 +1,93 @@
+"""Scores as the papers report them: sacreBLEU, tokenised BLEU, WER, and what a training log says
+about speed and size.
+"""
+
+import re
+
+_HYPOTHESIS = re.compile(r"^D-(\d+)\t[^\t]*\t(.*)$")
+_TARGET = re.compile(r"^T-(\d+)\t(.*)$")
+
+
+def read_generate_output(path, expected=None):
+    """(hypotheses, references) of a fairseq-generate output file, in sentence order."""
+    hyps, refs = {}, {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if m := _HYPOTHESIS.match(line):
+                hyps[int(m.group(1))] = m.group(2)
+            elif m := _TARGET.match(line):
+                refs[int(m.group(1))] = m.group(2)
+    if expected is not None and len(hyps) != expected:
+        raise ValueError(f"{path}: {len(hyps)} hypotheses for {expected} sentences")
+    order = sorted(hyps)
+    return [hyps[i] for i in order], [refs.get(i, "") for i in order]
+
+
+def sacrebleu_score(hyps, refs):
+    import sacrebleu
+
+    return round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+
+
+def moses_tokenizer(lang):
+    """Moses' tokeniser (sacremoses), or None when it is not installed."""
+    try:
+        from sacremoses import MosesTokenizer
+    except ImportError:
+        return None
+    return MosesTokenizer(lang=lang)
+
+
+def tokenized_bleu(hyps, refs, lang):
+    """BLEU of Moses-tokenised, case-sensitive text (multi-bleu.perl's convention); None when
+    sacremoses is missing."""
+    import sacrebleu
+
+    tok = moses_tokenizer(lang)
+    if tok is None:
+        return None
+
+    def split(lines):
+        return [tok.tokenize(line, escape=False, return_str=True) for line in lines]
+
+    return round(sacrebleu.corpus_bleu(split(hyps), [split(refs)], tokenize="none").score, 2)
+
+
+def word_error_rate(hyps, refs):
+    """WER in percent: word edit distance over reference words, lower-cased, without
+    punctuation (the usual MuST-C ASR scoring)."""
+    errors = words = 0
+    for hyp, ref in zip(hyps, refs):
+        h, r = _wer_words(hyp), _wer_words(ref)
+        errors += _edit_distance(h, r)
+        words += len(r)
+    return round(100.0 * errors / max(words, 1), 2)
+
+
+def _wer_words(text):
+    return re.sub(r"[^\w\s']", " ", text.lower()).split()
+
+
+def _edit_distance(a, b):
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+def training_summary(log_text):
+    """{params, updates_per_s, words_per_s} from a fairseq-train log (None where absent)."""
+    params = re.search(r"num\. shared model params: ([\d,]+)", log_text)
+    epochs = re.findall(r"\| train \| epoch \d+ .*", log_text)
+    last = epochs[-1] if epochs else ""
+    ups = re.search(r"\| ups ([\d.]+)", last)
+    wps = re.search(r"\| wps ([\d.]+)", last)
+    return {
+        "params": int(params.group(1).replace(",", "")) if params else None,
+        "updates_per_s": float(ups.group(1)) if ups else None,
+        "words_per_s": float(wps.group(1)) if wps else None,
+    }

@@ -1,0 +1,105 @@
+"""The prepare stage of the text recipes: raw splits -> sentencepiece -> fairseq-preprocess.
+
+Each step is skipped when its output exists, so a stopped or repeated prepare redoes only what
+is missing. The raw splits stay under ``WORK/data/raw``: the evaluate stage scores against them.
+"""
+
+import os
+import shutil
+
+import corpora
+from recipe_config import RecipeError, load_dataset
+from text_data import encode_file, has_binarised, preprocess_argv, train_sentencepiece
+
+# Lines sentencepiece samples from a big corpus to learn its model (its own sampling).
+DEFAULT_SPM_SENTENCES = 10_000_000
+
+
+def dataset_of(run):
+    return load_dataset(run.recipe["data"])
+
+
+def raw_path(run, split, lang):
+    return os.path.join(run.data, "raw", f"{split}.{lang}")
+
+
+def prepare_text(run):
+    dataset = dataset_of(run)
+    langs = corpora.languages(dataset)
+    settings = run.recipe.get("prepare", {})
+    raw, spm_dir = os.path.join(run.data, "raw"), os.path.join(run.data, "spm")
+    if run.dry_run:
+        print(f"| prepare: {run.recipe['data']} -> {raw} -> sentencepiece {settings} -> {run.bin}")
+        return
+    if not os.path.exists(os.path.join(raw, ".complete")):
+        corpora.assemble(dataset, run.raw_dir, os.path.join(run.data, "downloads"), raw)
+        open(os.path.join(raw, ".complete"), "w").close()
+    models = sentencepiece_models(langs, settings, raw, spm_dir)
+    encode_splits(langs, models, raw, spm_dir, settings.get("max_length"))
+    binarise(run, langs, spm_dir, settings.get("joint", False))
+
+
+def sentencepiece_models(langs, settings, raw, spm_dir):
+    """{lang: model path}: one joint model, or one per language."""
+    os.makedirs(spm_dir, exist_ok=True)
+    joint = settings.get("joint", False) and len(langs) > 1
+    groups = {"joint": langs} if joint else {lang: [lang] for lang in langs}
+    models = {}
+    for name, members in groups.items():
+        prefix = os.path.join(spm_dir, f"spm.{name}")
+        if not os.path.exists(prefix + ".model"):
+            train_sentencepiece(
+                [os.path.join(raw, f"train.{lang}") for lang in members],
+                prefix,
+                int(settings.get("vocab_size", 32000)),
+                settings.get("model_type", "bpe"),
+                settings.get("spm_sentences", DEFAULT_SPM_SENTENCES),
+                exact_size=False,
+            )
+        models.update({lang: prefix + ".model" for lang in members})
+    return models
+
+
+def encode_splits(langs, models, raw, spm_dir, max_length=None):
+    for split in corpora.SPLITS:
+        outputs = [os.path.join(spm_dir, f"{split}.{lang}") for lang in langs]
+        if all(os.path.exists(p) for p in outputs):
+            continue
+        for lang, out in zip(langs, outputs):
+            encode_file(models[lang], os.path.join(raw, f"{split}.{lang}"), out + ".tmp")
+        if split == "train" and max_length:
+            drop_long_pairs([o + ".tmp" for o in outputs], int(max_length))
+        for out in outputs:
+            os.replace(out + ".tmp", out)
+
+
+def drop_long_pairs(paths, max_length):
+    """Keep the training pairs whose every side has at most ``max_length`` pieces."""
+    columns = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            columns.append(f.readlines())
+    keep = [
+        i
+        for i, lines in enumerate(zip(*columns))
+        if all(len(x.split()) <= max_length for x in lines)
+    ]
+    if not keep:
+        raise RecipeError(f"prepare.max_length {max_length} leaves no training pair")
+    for path, lines in zip(paths, columns):
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(lines[i] for i in keep)
+    print(f"| kept {len(keep)} of {len(columns[0])} training pairs of at most {max_length} pieces")
+
+
+def binarise(run, langs, spm_dir, joint):
+    source, target = langs[0], (langs[1] if len(langs) > 1 else None)
+    if has_binarised(run.bin, "test", source, target):
+        return
+    prefixes = {s: os.path.join(spm_dir, s) for s in corpora.SPLITS}
+    if target is None:  # monolingual: fairseq reads {split}.bin, so the files drop the suffix
+        prefixes = {s: os.path.join(spm_dir, f"{s}.{source}") for s in corpora.SPLITS}
+    if os.path.exists(run.bin):  # a binarisation that stopped half-way: fairseq would refuse
+        shutil.rmtree(run.bin)
+    argv = preprocess_argv(source, target, prefixes, run.bin, joined=joint)
+    run.run_tool("fairseq-preprocess", argv, os.path.join(run.data, "preprocess.log"))

@@ -1,0 +1,208 @@
+"""Contributions (Alastruey et al. 2022, Eqs. 3-6, Algorithm 1) and the contributions CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+from fairseq.models.speech_to_text.s2t_transformer import S2TTransformerModel, s2t_transformer_s
+
+from ..speech_data import asr_checkpoint, build_s2t, padded_fbank
+from local_attn_fairseq.analysis import cli
+from local_attn_fairseq.analysis import contributions as contrib
+from local_attn_fairseq.models.s2t_transformer_local import (
+    S2TTransformerLocalModel,
+    parse_windows,
+    s2t_transformer_local_tiny,
+)
+
+SMALL = dict(encoder_embed_dim=32, encoder_ffn_embed_dim=64, conv_channels=32)
+
+
+def local_model(form):
+    torch.manual_seed(0)
+    model = build_s2t(
+        S2TTransformerLocalModel, s2t_transformer_local_tiny, local_attention_form=form, **SMALL
+    )
+    return model.eval()
+
+
+def plain_s2t_model():
+    """fairseq's own s2t_transformer (fairseq's MultiheadAttention), small."""
+    torch.manual_seed(0)
+    options = dict(SMALL, encoder_layers=2, decoder_layers=1)
+    return build_s2t(S2TTransformerModel, s2t_transformer_s, **options).eval()
+
+
+def recorded_layers(model, lengths):
+    features, lengths = padded_fbank(lengths)
+    layers = contrib.encoder_layers(model)
+    with torch.no_grad(), contrib.LayerInputs(layers) as recorder:
+        model.encoder(features, lengths)
+    return [(layer, *recorder.captured[i]) for i, layer in enumerate(layers)]
+
+
+# -- the decomposition ------------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["banded", "masked", "plain"])
+def test_transformed_vectors_rebuild_the_attention_block_output(model):
+    """sum_j F_i(x_j) + b_O equals residual + attention(LN(x)) as the model computes it (the
+    banded model through its banded operator), for every real frame of a padded batch."""
+    model = plain_s2t_model() if model == "plain" else local_model(model)
+    for layer, x, padding in recorded_layers(model, [70, 31, 9]):
+        with torch.no_grad():
+            normed = layer.self_attn_layer_norm(x)
+            attn, _ = layer.self_attn(normed, normed, normed, padding, need_weights=False)
+            expected = x + attn
+            pieces = contrib.layer_pieces(layer, x, padding)
+        for b, sentence in enumerate(pieces):
+            real = ~padding[b]
+            assert sentence.inputs.shape[0] == int(real.sum())
+            torch.testing.assert_close(
+                contrib.block_output(sentence), expected[real, b], atol=1e-5, rtol=1e-5
+            )
+            vectors = contrib.transformed_vectors(sentence)
+            rebuilt = vectors.sum(dim=1) + sentence.out_bias
+            torch.testing.assert_close(rebuilt, expected[real, b], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                contrib.contribution_matrix(sentence),
+                vectors.double().norm(dim=-1),
+                atol=1e-6,
+                rtol=1e-6,
+            )
+
+
+def test_local_layers_contribute_nothing_outside_their_window():
+    model = local_model("banded")
+    for index, (layer, x, padding) in enumerate(recorded_layers(model, [60])):
+        window = model.encoder.attention_windows[index]
+        matrix = contrib.contribution_matrix(contrib.layer_pieces(layer, x, padding)[0])
+        offsets = torch.arange(matrix.shape[0])[None, :] - torch.arange(matrix.shape[0])[:, None]
+        outside = matrix[offsets.abs() > (window - 1) // 2] if window else torch.zeros(0)
+        assert (outside == 0).all() and (matrix > 0).any()
+
+
+def test_post_ln_models_are_refused():
+    torch.manual_seed(0)
+    options = dict(SMALL, encoder_layers=2, decoder_layers=1, encoder_normalize_before=False)
+    model = build_s2t(S2TTransformerModel, s2t_transformer_s, **options)
+    with pytest.raises(ValueError, match="encoder layer 0 normalises after the residual"):
+        contrib.check_decomposable(contrib.encoder_layers(model))
+
+
+# -- D, CCD, CL on a hand-computed case -------------------------------------------------------
+HAND = torch.tensor([[0.5, 0.3, 0.2], [0.25, 0.5, 0.25], [0.1, 0.3, 0.6]], dtype=torch.float64)
+
+
+def test_diagonality_of_a_hand_computed_matrix():
+    # w = 1: the main diagonal; w = 2, 3: one diagonal each side; w >= 4: everything
+    expected = [1.6 / 3, 2.7 / 3, 2.7 / 3, 1.0, 1.0, 1.0]
+    torch.testing.assert_close(contrib.diagonality(HAND), torch.tensor(expected).double())
+    assert contrib.contribution_loss(HAND, 1) == pytest.approx(1 - 1.6 / 3)
+    assert contrib.contribution_loss(HAND, 3) == pytest.approx(0.1)
+    assert contrib.contribution_loss(HAND, 0) == 0.0  # global attention loses nothing
+
+
+def test_ccd_is_the_trapezoidal_area_over_the_range_width():
+    d = contrib.diagonality(HAND)
+    area = (1.6 / 3 + 0.9) / 2 + 0.9 + (0.9 + 1) / 2 + 1 + 1
+    assert contrib.cumulative_diagonality(d) == pytest.approx(area / 5)
+    assert contrib.cumulative_diagonality(contrib.diagonality(torch.eye(4).double())) == 1.0
+
+
+def test_rows_are_normalised_to_shares():
+    rows = contrib.normalise_rows(torch.tensor([[1.0, 3.0], [0.0, 0.0]]))
+    torch.testing.assert_close(rows, torch.tensor([[0.25, 0.75], [0.0, 0.0]]))
+
+
+# -- Algorithm 1 ------------------------------------------------------------------------------
+def banded_matrix(n, half_width, inside=0.05, outside=0.001):
+    offsets = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).abs()
+    matrix = torch.where(offsets <= half_width, inside, outside).double()
+    matrix.fill_diagonal_(0.6)
+    return contrib.normalise_rows(matrix)
+
+
+@pytest.mark.parametrize("half_width", [1, 3, 8])
+def test_algorithm_1_finds_a_known_band(half_width):
+    assert contrib.window_size(banded_matrix(50, half_width)) == 2 * half_width + 1
+
+
+def test_algorithm_1_bridges_gaps_shorter_than_a_tenth_of_the_length():
+    n = 40  # patience: 4 consecutive diagonals below t
+    matrix = banded_matrix(n, 2)
+    offsets = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+    matrix[offsets == 6] = 0.05  # 3 quiet diagonals (3, 4, 5), then one above t: inside
+    matrix[offsets == -15] = 0.05  # after 9 quiet diagonals: outside
+    assert contrib.window_size(matrix) == 13
+
+
+def test_algorithm_1_ignores_the_main_diagonal():
+    assert contrib.window_size(torch.eye(30).double()) == 0
+    assert contrib.window_size(torch.ones(1, 1).double()) == 0
+
+
+def test_window_over_a_sample_is_mean_plus_std_made_odd():
+    assert contrib.odd_window([3, 5, 7]) == 7  # 5 + 1.63 -> 7
+    assert contrib.odd_window([2, 2]) == 3
+    assert contrib.odd_window([0, 0, 0]) == 1
+    assert contrib.odd_window([0, 0, 0, 1]) == 1  # 0.25 + 0.43 -> 1
+
+
+def test_windows_chosen_for_the_model():
+    summaries = [
+        {"window": 17, "contribution_loss_mean": 0.35, "longest": 200},
+        {"window": 5, "contribution_loss_mean": 0.23, "longest": 200},
+        {"window": 401, "contribution_loss_mean": 0.0, "longest": 200},  # covers every sentence
+    ]
+    assert contrib.choose_windows(summaries) == [0, 5, 0]
+    assert contrib.choose_windows(summaries, max_contribution_loss=0.4) == [17, 5, 0]
+    assert contrib.choose_windows(summaries, global_layers=2) == [0, 0, 0]
+
+
+def test_layer_sample_summary():
+    sample = contrib.LayerSample()
+    for half_width in (1, 2, 3):
+        sample.add(banded_matrix(20, half_width, outside=0.0), contrib.DEFAULT_THRESHOLD)
+    summary = sample.summary(layer=4)
+    assert summary["window_mean"] == 5 and summary["window"] == 7
+    assert summary["window_std"] == pytest.approx(math.sqrt(8 / 3))
+    assert summary["contribution_loss_mean"] == pytest.approx(0.0)  # 7 covers every band
+    assert summary["sentences"] == 3 and summary["longest"] == 20
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+def test_contributions_cli_end_to_end(tmp_path_factory, capsys):
+    data, checkpoint = asr_checkpoint(tmp_path_factory)
+    out = tmp_path_factory.mktemp("contributions")
+    code = cli.main(
+        ["contributions", "--path", str(checkpoint), "--data", str(data), "--config-yaml",
+         "config_asr.yaml", "--gen-subset", "dev_asr", "--num-sentences", "5",
+         "--output-dir", str(out), "--compare-path", str(checkpoint),
+         "--compare-config-yaml", "config_asr.yaml", "--compare-gen-subset", "dev_asr",
+         "--batch-size", "2"],
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "mu +- sigma" in printed and "--encoder-attention-windows" in printed
+    results = json.loads((out / "contributions.json").read_text())
+    assert results["num_sentences"] == 5 and len(results["layers"]) == 6
+    compared = [{k: v for k, v in s.items() if k != "chosen_window"} for s in results["layers"]]
+    assert results["compare"]["layers"] == compared  # the same checkpoint twice
+    windows = (out / "windows.txt").read_text().strip()
+    assert windows == results["encoder_attention_windows"]
+    assert parse_windows(windows, 6) == [s["chosen_window"] for s in results["layers"]]
+    # the trained model's windowed layers cannot reach beyond their windows
+    assert [s["window"] for s in results["layers"]][2:] == [3, 5, 5, 7]
+    for figure in ("contribution_matrices.png", "ccd.png"):
+        assert (out / figure).stat().st_size > 1000
+
+
+def test_contributions_cli_names_a_missing_subset(tmp_path_factory, capsys):
+    data, checkpoint = asr_checkpoint(tmp_path_factory)
+    code = cli.main(
+        ["contributions", "--path", str(checkpoint), "--data", str(data), "--config-yaml",
+         "config_asr.yaml", "--gen-subset", "test_asr", "--output-dir",
+         str(tmp_path_factory.mktemp("none"))],
+    )  # fmt: skip
+    assert code == 2
+    assert "cannot load subset 'test_asr'" in capsys.readouterr().err
