@@ -2,12 +2,15 @@
 """A small-scale study of every mechanism on the demo's German-English data, at one budget.
 
 The baseline and each paper's headline model are trained with the demo's sizes and schedule
-(``scripts/demo.py``) for the same number of updates, with several seeds, one run at a time (so
-the words/s of one run is not slowed by another), then scored on the test split. It writes a
+(``scripts/demo.py``) for the same number of updates, with several seeds, then scored on the
+test split. ``--jobs N`` runs N trainings side by side with the cores split between them
+(models this small use two threads poorly, so two one-thread runs finish sooner than two
+two-thread runs one after the other); every run then sees the same machine load, so their
+words/s stay comparable. It writes a
 table (BLEU mean and spread over seeds, training words/s, encoder attention parameters) to
 ``docs/small_scale_study.md`` and every number to a JSON file.
 
-    python scripts/small_scale_study.py --updates 3000 --seeds 1,2,3
+    python scripts/small_scale_study.py --updates 3000 --seeds 1,2,3 --jobs 2
 
 The gated model (Voita et al.) is trained with its gates and the L0 penalty from the start, for
 the same budget, then pruned; its BLEU is the pruned model's. This is a CPU-sized comparison:
@@ -16,6 +19,7 @@ it ranks the mechanisms at a small scale; the papers' numbers come from the reci
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -64,7 +68,8 @@ TINY_WIDTHS = (
 def train(bin_dir, save_dir, extra, updates, seed, tiny=False):
     """One run of the demo's model and schedule for ``updates`` updates; returns its log."""
     log = os.path.join(save_dir, "train.log")
-    if not os.path.exists(os.path.join(save_dir, "checkpoint_last.pt")):
+    # an interrupted run leaves an epoch's checkpoint_last.pt: only a finished log counts
+    if not finished(log):
         dims = demo.MODEL_DIMS + (TINY_WIDTHS if tiny else [])
         argv = [bin_dir, "--user-dir", USER_DIR, *dims, *study_schedule(), *extra]
         argv += ["--max-update", updates, "--seed", seed, "--save-dir", save_dir]
@@ -72,6 +77,13 @@ def train(bin_dir, save_dir, extra, updates, seed, tiny=False):
         fairseq_runner.run("fairseq-train", argv, log)
     with open(log, encoding="utf-8") as f:
         return f.read()
+
+
+def finished(train_log):
+    if not os.path.exists(train_log):
+        return False
+    with open(train_log, encoding="utf-8") as f:
+        return "done training in" in f.read()
 
 
 def study_schedule():
@@ -109,7 +121,8 @@ def bleu(bin_dir, checkpoint, out_dir):
 
 def run_model(name, bin_dir, work, args, seed):
     _, extra = MODELS[name]
-    save_dir = os.path.join(work, name, f"seed{seed}")
+    # one directory per budget: a finished run is reused only for the same number of updates
+    save_dir = os.path.join(work, name, f"updates{args.updates}_seed{seed}")
     os.makedirs(save_dir, exist_ok=True)
     log = train(bin_dir, save_dir, extra, args.updates, seed, args.tiny)
     checkpoint = os.path.join(save_dir, "checkpoint_last.pt")
@@ -119,6 +132,36 @@ def run_model(name, bin_dir, work, args, seed):
     result["encoder_attention_params"] = demo.encoder_attention_parameters(checkpoint)
     result["bleu"] = bleu(bin_dir, checkpoint, os.path.join(save_dir, "test"))
     return result
+
+
+def start_worker(threads):
+    """A side-by-side run's process: its share of the cores, fairseq's logging."""
+    import torch
+
+    torch.set_num_threads(threads)
+    fairseq_runner.configure_logging()
+
+
+def run_all(bin_dir, work, args):
+    """{model: [result per seed]}, with ``args.jobs`` runs at a time."""
+    tasks = [(name, seed) for name in args.models.split(",") for seed in args.seed_list]
+    if args.jobs == 1:
+        results = [run_model(name, bin_dir, work, args, seed) for name, seed in tasks]
+    else:
+        import multiprocessing
+
+        threads = max(1, (os.cpu_count() or 1) // args.jobs)
+        with concurrent.futures.ProcessPoolExecutor(
+            args.jobs, multiprocessing.get_context("spawn"), start_worker, (threads,)
+        ) as pool:
+            futures = [
+                pool.submit(run_model, name, bin_dir, work, args, seed) for name, seed in tasks
+            ]
+            results = [f.result() for f in futures]
+    runs = {}
+    for (name, _), result in zip(tasks, results):
+        runs.setdefault(name, []).append(result)
+    return runs
 
 
 def summarise(runs):
@@ -148,7 +191,13 @@ def markdown(study, command):
         "test sentences), the demo's model ("
         + ("32 dims (--tiny)" if study["tiny"] else "128 dims")
         + ", 8 heads, 6 encoder and 2 decoder layers, pre-norm) and schedule, each model trained "
-        f"for the same {study['updates']} updates with seeds {seeds}, one run at a time.",
+        f"for the same {study['updates']} updates with seeds {seeds}, "
+        + (
+            "one run at a time."
+            if study["jobs"] == 1
+            else f"{study['jobs']} runs side by side with the cores split evenly between them "
+            "(every run under the same load, so words/s compare across models)."
+        ),
         "",
         "| model | BLEU (mean ± std) | BLEU min-max | train words/s | encoder attention params |",
         "|---|---:|---:|---:|---:|",
@@ -186,6 +235,9 @@ def parse_args(argv):
     )
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated training seeds")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs side by side, the cores split between them"
+    )
     parser.add_argument("--vocab-size", type=int, default=demo.DEFAULT_VOCAB_SIZE)
     parser.add_argument("--max-train", type=int, help="training pairs (default: all)")
     parser.add_argument(
@@ -204,8 +256,8 @@ def parse_args(argv):
         args.seed_list = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         parser.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
-    if args.updates < 1 or args.test_size < 1:
-        parser.error("--updates and --test-size must be at least 1")
+    if min(args.updates, args.test_size, args.jobs) < 1:
+        parser.error("--updates, --test-size and --jobs must be at least 1")
     return args
 
 
@@ -221,16 +273,17 @@ def main(argv=None):
         data_dir = os.path.join(work, f"data_spm{args.vocab_size}{train}_test{args.test_size}")
         os.makedirs(data_dir, exist_ok=True)
     bin_dir = demo.prepare_data(data_dir, args.vocab_size, args.max_train, args.test_size)
-    models = {}
-    for name in args.models.split(","):
-        runs = [run_model(name, bin_dir, work, args, seed) for seed in args.seed_list]
-        models[name] = dict(summarise(runs), runs=runs)
+    models = {
+        name: dict(summarise(runs), runs=runs)
+        for name, runs in run_all(bin_dir, work, args).items()
+    }
     with open(os.path.join(data_dir, "raw", "train.en"), encoding="utf-8") as f:
         train_pairs = sum(1 for _ in f)
     study = {
         "updates": args.updates,
         "tiny": args.tiny,
         "seeds": args.seed_list,
+        "jobs": args.jobs,
         "train_pairs": f"{train_pairs:,}",
         "test_size": f"{args.test_size:,}",
         "minutes": (time.time() - started) / 60,

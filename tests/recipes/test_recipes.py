@@ -344,7 +344,8 @@ def test_raw_dir_with_some_split_files_missing_is_refused(tmp_path):
 def test_small_scale_study_writes_its_table(tmp_path):
     out_md = tmp_path / "study.md"
     cmd = [sys.executable, os.path.join(REPO, "scripts", "small_scale_study.py")]
-    cmd += ["--work-dir", tmp_path / "w", "--updates", 2, "--seeds", "1,2", "--tiny"]
+    # two runs side by side: the path the committed study took
+    cmd += ["--work-dir", tmp_path / "w", "--updates", 2, "--seeds", "1,2", "--tiny", "--jobs", 2]
     cmd += ["--models", "baseline,gates_l0", "--max-train", 200, "--vocab-size", 200]
     cmd += ["--test-size", 4, "--out-md", out_md, "--out-json", tmp_path / "s.json"]
     proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=ONE_THREAD_ENV)
@@ -355,4 +356,4 @@ def test_small_scale_study_writes_its_table(tmp_path):
     assert len(gated["runs"]) == 2 and len(gated["encoder_heads_kept"]) == 2
     table = out_md.read_text()
     assert "| transformer (baseline) |" in table and "small-scale comparison" in table
-    assert "--updates 2" in table
+    assert "--updates 2" in table and "2 runs side by side" in table
