@@ -6,9 +6,8 @@ The baseline and each paper's headline model are trained with the demo's sizes a
 test split. ``--jobs N`` runs N trainings side by side with the cores split between them
 (models this small use two threads poorly, so two one-thread runs finish sooner than two
 two-thread runs one after the other); every run then sees the same machine load, so their
-words/s stay comparable. It writes a
-table (BLEU mean and spread over seeds, training words/s, encoder attention parameters) to
-``docs/small_scale_study.md`` and every number to a JSON file.
+words/s stay comparable. It writes a table (BLEU mean and spread over seeds, training words/s,
+encoder attention parameters) to ``docs/small_scale_study.md`` and every number to a JSON file.
 
     python scripts/small_scale_study.py --updates 3000 --seeds 1,2,3 --jobs 2
 
@@ -21,6 +20,7 @@ it ranks the mechanisms at a small scale; the papers' numbers come from the reci
 import argparse
 import concurrent.futures
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -148,8 +148,6 @@ def run_all(bin_dir, work, args):
     if args.jobs == 1:
         results = [run_model(name, bin_dir, work, args, seed) for name, seed in tasks]
     else:
-        import multiprocessing
-
         threads = max(1, (os.cpu_count() or 1) // args.jobs)
         with concurrent.futures.ProcessPoolExecutor(
             args.jobs, multiprocessing.get_context("spawn"), start_worker, (threads,)
