@@ -68,6 +68,22 @@ def run(cmd, log_path=None):
     return text
 
 
+def training_finished(save_dir):
+    """Whether fairseq-train ran to its end in ``save_dir``: an interrupted run leaves the
+    checkpoint_best.pt of some epoch behind, so only the last words of its log count."""
+    log = os.path.join(save_dir, "train.log")
+    if not os.path.exists(log):
+        return False
+    with open(log, encoding="utf-8", errors="replace") as f:
+        return "done training in" in f.read()
+
+
+def up_to_date(output, source):
+    """Whether ``output`` exists and was written after ``source``: a score or an analysis of a
+    checkpoint that was trained again since is stale."""
+    return os.path.exists(output) and os.path.getmtime(output) >= os.path.getmtime(source)
+
+
 def data_dir_for(work, vocab_size, max_train=None):
     name = f"data_spm{vocab_size}" + (f"_train{max_train}" if max_train else "")
     path = os.path.join(work, name)
@@ -135,7 +151,7 @@ def train_all(bin_dir, work, epochs):
     for _, arch, extra in MODELS:
         save_dir = os.path.join(work, f"{arch}_e{epochs}")
         process = None
-        if not os.path.exists(os.path.join(save_dir, "checkpoint_best.pt")):
+        if not training_finished(save_dir):
             os.makedirs(save_dir, exist_ok=True)
             cmd = [
                 os.path.join(BIN, "fairseq-train"),
@@ -177,7 +193,7 @@ def words_per_second(train_log):
 
 
 def bleu(bin_dir, checkpoint, extra, out_path):
-    if not os.path.exists(out_path):
+    if not up_to_date(out_path, checkpoint):
         run(
             [
                 os.path.join(BIN, "fairseq-generate"),

@@ -3,19 +3,22 @@
 
 Alastruey et al. (2022)'s recipe on a corpus any machine can make, end to end on the CPU:
 
-1. speaks 2000 short (at most 10 words) English Ding sentences with espeak-ng in MuST-C's layout, German translations
-   beside them (``scripts/data/synthesize_speech_corpus.py``);
+1. speaks 2000 short (at most 10 words) English Ding sentences with espeak-ng in MuST-C's
+   layout, German translations beside them (``scripts/data/synthesize_speech_corpus.py``);
 2. prepares fbank manifests, vocabularies and configs (``scripts/data/prepare_mustc.py``);
-3. pre-trains an ASR model, ``s2t_transformer_local_tiny`` with every encoder layer global;
+3. pre-trains an ASR model, ``s2t_transformer_local_tiny`` with every encoder layer global, with
+   fairseq's CTC loss on the encoder beside the decoder's;
 4. runs ``local-attn-analyze contributions`` on it: the encoder's contribution matrices give one
    window per layer (``windows.txt``);
 5. trains two ST models side by side, both with the encoder initialised from the ASR model
    (``--load-pretrained-encoder-from``): the baseline with global attention, and the local one
    with the windows of step 4;
-6. scores ASR with WER and both ST models with BLEU on tst-COMMON (``fairseq-generate``) and
+6. compares the contributions of the ASR and ST baseline encoders (``contributions_asr_vs_st``);
+7. scores ASR with WER and both ST models with BLEU on tst-COMMON (``fairseq-generate``) and
    prints one table, also written to ``<work-dir>/results.md``.
 
-Every step is skipped when its output exists, so a second run only redoes what is missing.
+Every step is skipped when its output exists and is newer than what it was made from, and a
+training run only when it finished, so a second run only redoes what is missing.
 ``--quick`` is a reduced run (small corpus, one epoch) that checks the whole pipeline in minutes.
 """
 
@@ -32,18 +35,24 @@ ROOT = os.path.dirname(HERE)
 USER_DIR = os.path.join(ROOT, "local_attn_fairseq")
 BIN = os.path.dirname(sys.executable)
 sys.path.insert(0, HERE)
-from demo import run  # noqa: E402
+from demo import run, training_finished, up_to_date  # noqa: E402
 
 ARCH = "s2t_transformer_local_tiny"
 ENCODER_LAYERS = 6  # the tiny arch's
 GLOBAL_WINDOWS = ",".join(["0"] * ENCODER_LAYERS)
 SCHEDULE = (
     "--optimizer adam --adam-betas (0.9,0.98) --lr 2e-3 --lr-scheduler inverse_sqrt "
-    "--warmup-updates 300 --clip-norm 10 --dropout 0.1 "
-    "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 5000 "
+    "--warmup-updates 300 --clip-norm 10 --dropout 0.1 --label-smoothing 0.1 --max-tokens 5000 "
     "--required-batch-size-multiple 1 --num-workers 0 --seed 1 --no-epoch-checkpoints "
     "--no-last-checkpoints --log-format simple --log-interval 50"
 ).split()
+# ASR adds fairseq's CTC loss on the encoder output: with it the tiny model learns to align
+# audio and text within a CPU budget; without it the decoder learns the language of the
+# transcripts and ignores the audio for many more epochs. ST keeps the plain loss.
+CRITERION = {
+    "asr": "--criterion label_smoothed_cross_entropy_with_ctc --ctc-weight 0.3".split(),
+    "st": ["--criterion", "label_smoothed_cross_entropy"],
+}
 # fairseq-fixed drops a last batch smaller than --required-batch-size-multiple: with 1 every
 # test utterance is decoded.
 GENERATE = (
@@ -54,7 +63,9 @@ SCORING = {
     "asr": "--scoring wer --wer-tokenizer 13a --wer-lowercase --wer-remove-punct".split(),
     "st": ["--scoring", "sacrebleu"],
 }
-FULL = {"train": 2000, "dev": 200, "test": 200, "vocab": 300, "asr_epochs": 20, "st_epochs": 20}
+# 60 ASR epochs: the tiny model follows the audio (tst-COMMON WER 74, its errors sound like
+# the words), so its encoder's contributions say something; about 40 min on 2 CPU cores.
+FULL = {"train": 2000, "dev": 200, "test": 200, "vocab": 300, "asr_epochs": 60, "st_epochs": 40}
 QUICK = {"train": 96, "dev": 16, "test": 16, "vocab": 250, "asr_epochs": 1, "st_epochs": 1}
 # Short sentences: cheaper batches, and fewer frames for attention to align on a CPU budget.
 MAX_WORDS = 10
@@ -90,8 +101,8 @@ def train_command(data, task, save_dir, windows, epochs, pretrained=None):
         os.path.join(BIN, "fairseq-train"), data, "--user-dir", USER_DIR, "--task",
         "speech_to_text", "--config-yaml", f"config_{task}.yaml", "--train-subset",
         f"train_{task}", "--valid-subset", f"dev_{task}", "--arch", ARCH,
-        "--encoder-attention-windows", windows, *SCHEDULE, "--max-epoch", epochs,
-        "--save-dir", save_dir,
+        "--encoder-attention-windows", windows, *SCHEDULE, *CRITERION[task], "--max-epoch",
+        epochs, "--save-dir", save_dir,
     ]  # fmt: skip
     if pretrained:
         cmd += ["--load-pretrained-encoder-from", pretrained]
@@ -105,7 +116,7 @@ def train_side_by_side(runs):
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     started, processes = time.time(), []
     for name, cmd, save_dir in runs:
-        if os.path.exists(os.path.join(save_dir, "checkpoint_best.pt")):
+        if training_finished(save_dir):
             continue
         os.makedirs(save_dir, exist_ok=True)
         print("$ " + " ".join(cmd), flush=True)
@@ -120,7 +131,7 @@ def train_side_by_side(runs):
 
 
 def score(data, checkpoint, task, out_path):
-    if not os.path.exists(out_path):
+    if not up_to_date(out_path, checkpoint):
         run(
             [
                 os.path.join(BIN, "fairseq-generate"), data, "--user-dir", USER_DIR, "--path",
@@ -136,18 +147,22 @@ def score(data, checkpoint, task, out_path):
     return float(match.group(1))
 
 
-def derive_windows(data, asr_checkpoint, out_dir, num_sentences):
+def contributions(data, asr_checkpoint, out_dir, num_sentences, st_checkpoint=None):
+    """``local-attn-analyze contributions`` on the ASR encoder over the dev set (and, given
+    ``st_checkpoint``, on that ST encoder beside it: Figure 3's comparison); returns the
+    windows it chose from the ASR encoder."""
     windows_path = os.path.join(out_dir, "windows.txt")
-    if not os.path.exists(windows_path):
-        run(
-            [
-                os.path.join(BIN, "local-attn-analyze"), "contributions", "--path",
-                asr_checkpoint, "--data", data, "--config-yaml", "config_asr.yaml",
-                "--gen-subset", "dev_asr", "--num-sentences", num_sentences,
-                "--output-dir", out_dir,
-            ],
-            log_path=os.path.join(out_dir + ".log"),
-        )  # fmt: skip
+    checkpoints = [asr_checkpoint] + ([st_checkpoint] if st_checkpoint else [])
+    if not all(up_to_date(windows_path, c) for c in checkpoints):
+        command = [
+            os.path.join(BIN, "local-attn-analyze"), "contributions", "--path", asr_checkpoint,
+            "--data", data, "--config-yaml", "config_asr.yaml", "--gen-subset", "dev_asr",
+            "--num-sentences", num_sentences, "--output-dir", out_dir,
+        ]  # fmt: skip
+        if st_checkpoint:
+            command += ["--compare-path", st_checkpoint, "--compare-config-yaml", "config_st.yaml"]
+            command += ["--compare-gen-subset", "dev_st"]
+        run(command, log_path=os.path.join(out_dir + ".log"))
     return open(windows_path).read().strip()
 
 
@@ -183,11 +198,11 @@ def main():
     synthesize(corpus, sizes, args.workers)
     prepare(corpus, data, sizes["vocab"], args.workers)
 
-    asr_dir = os.path.join(experiment, f"asr_e{sizes['asr_epochs']}")
+    asr_dir = os.path.join(experiment, f"asr_ctc_e{sizes['asr_epochs']}")
     asr_cmd = train_command(data, "asr", asr_dir, GLOBAL_WINDOWS, sizes["asr_epochs"])
     train_side_by_side([("ASR", asr_cmd, asr_dir)])
     asr = os.path.join(asr_dir, "checkpoint_best.pt")
-    windows = derive_windows(data, asr, os.path.join(asr_dir, "contributions"), sizes["dev"])
+    windows = contributions(data, asr, os.path.join(asr_dir, "contributions"), sizes["dev"])
     print(f"| windows from the ASR encoder's contributions: {windows}")
 
     st_runs = {}
@@ -198,6 +213,10 @@ def main():
         cmd = train_command(data, "st", save_dir, st_windows, sizes["st_epochs"], pretrained=asr)
         st_runs[name] = (save_dir, st_windows, cmd)
     train_side_by_side([(f"ST {n}", cmd, d) for n, (d, _, cmd) in st_runs.items()])
+    st_baseline = os.path.join(st_runs["global"][0], "checkpoint_best.pt")
+    compared = os.path.join(asr_dir, "contributions_asr_vs_st")
+    contributions(data, asr, compared, sizes["dev"], st_checkpoint=st_baseline)
+    print(f"| contributions of the ASR and ST baseline encoders: {compared}")
 
     rows = [
         {"model": "ASR (global)", "windows": GLOBAL_WINDOWS, "metric": "WER",

@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 def train_baseline(bin_dir, work, epochs):
     save_dir = os.path.join(work, f"transformer_e{epochs}")
     checkpoint = os.path.join(save_dir, "checkpoint_best.pt")
-    if not os.path.exists(checkpoint):
+    if not demo.training_finished(save_dir):
         os.makedirs(save_dir, exist_ok=True)
         demo.run(
             [os.path.join(BIN, "fairseq-train"), bin_dir, "--arch", "transformer",
@@ -41,7 +41,7 @@ def train_baseline(bin_dir, work, epochs):
 
 def finetune_with_gates(bin_dir, baseline, save_dir, l0_lambda, epochs, log_alpha_init):
     checkpoint = os.path.join(save_dir, "checkpoint_last.pt")
-    if not os.path.exists(checkpoint):
+    if not demo.training_finished(save_dir):
         os.makedirs(save_dir, exist_ok=True)
         schedule = [a for a in demo.SCHEDULE if a != "--no-last-checkpoints"]
         demo.run(
@@ -57,7 +57,7 @@ def finetune_with_gates(bin_dir, baseline, save_dir, l0_lambda, epochs, log_alph
 
 
 def prune(gated, pruned):
-    if not os.path.exists(pruned):
+    if not demo.up_to_date(pruned, gated):
         demo.run([sys.executable, os.path.join(ROOT, "scripts", "prune_heads.py"), gated, pruned])
     return pruned
 

@@ -68,8 +68,7 @@ TINY_WIDTHS = (
 def train(bin_dir, save_dir, extra, updates, seed, tiny=False):
     """One run of the demo's model and schedule for ``updates`` updates; returns its log."""
     log = os.path.join(save_dir, "train.log")
-    # an interrupted run leaves an epoch's checkpoint_last.pt: only a finished log counts
-    if not finished(log):
+    if not demo.training_finished(save_dir):
         dims = demo.MODEL_DIMS + (TINY_WIDTHS if tiny else [])
         argv = [bin_dir, "--user-dir", USER_DIR, *dims, *study_schedule(), *extra]
         argv += ["--max-update", updates, "--seed", seed, "--save-dir", save_dir]
@@ -77,13 +76,6 @@ def train(bin_dir, save_dir, extra, updates, seed, tiny=False):
         fairseq_runner.run("fairseq-train", argv, log)
     with open(log, encoding="utf-8") as f:
         return f.read()
-
-
-def finished(train_log):
-    if not os.path.exists(train_log):
-        return False
-    with open(train_log, encoding="utf-8") as f:
-        return "done training in" in f.read()
 
 
 def study_schedule():

@@ -17,6 +17,9 @@ same outputs and gradients.
 The windows are stored in the checkpoint's arguments, so fairseq-generate and
 ``--load-pretrained-encoder-from`` (ASR pre-training -> ST) need nothing else; encoder parameter
 names are those of ``s2t_transformer``, so either architecture's encoder initialises the other.
+An ASR model trained with fairseq's CTC loss (``--criterion label_smoothed_cross_entropy_with_ctc
+--ctc-weight W``) carries a CTC projection onto its own vocabulary in its encoder; the encoder
+it initialises takes everything but that projection.
 """
 
 import logging
@@ -150,11 +153,44 @@ class S2TTransformerLocalModel(S2TTransformerModel):
         encoder = S2TTransformerLocalEncoder(args)
         pretrained = getattr(args, "load_pretrained_encoder_from", None)
         if pretrained:
-            if not os.path.isfile(pretrained):
-                raise FileNotFoundError(f"--load-pretrained-encoder-from {pretrained}: no file")
-            encoder = checkpoint_utils.load_pretrained_component_from_model(encoder, pretrained)
+            load_pretrained_encoder(encoder, pretrained)
             logger.info(f"loaded pretrained encoder from {pretrained}")
         return encoder
+
+
+CTC_PROJECTION = "ctc_proj."
+
+
+def load_pretrained_encoder(encoder: nn.Module, checkpoint: str) -> None:
+    """Copies the encoder of ``checkpoint`` into ``encoder``, every parameter but the CTC
+    projection: it maps onto the pre-training task's vocabulary, so a new task keeps its own
+    (or has none). Anything else missing or left over is an error naming the keys."""
+    if not os.path.isfile(checkpoint):
+        raise FileNotFoundError(f"--load-pretrained-encoder-from {checkpoint}: no file")
+    model_state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)["model"]
+    own = encoder.state_dict()
+    state = {
+        name[len("encoder.") :]: value
+        for name, value in model_state.items()
+        if name.startswith("encoder.") and not name.startswith("encoder." + CTC_PROJECTION)
+    }
+    state.update((name, value) for name, value in own.items() if name.startswith(CTC_PROJECTION))
+    problems = [
+        f"{len(names)} {kind} ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"
+        for kind, names in (
+            ("missing", sorted(own.keys() - state.keys())),
+            ("unexpected", sorted(state.keys() - own.keys())),
+            ("of another shape", sorted(k for k in own.keys() & state.keys()
+                                        if own[k].shape != state[k].shape)),
+        )
+        if names
+    ]  # fmt: skip
+    if problems:
+        raise ValueError(
+            f"--load-pretrained-encoder-from {checkpoint}: its encoder's parameters do not fit "
+            f"this model's: {'; '.join(problems)}"
+        )
+    encoder.load_state_dict(state, strict=True)
 
 
 def check_local_options(args):

@@ -5,7 +5,14 @@ import torch
 from fairseq import checkpoint_utils, options, tasks
 
 from ..conftest import fairseq_cli
-from ..speech_data import USER_DIR, asr_checkpoint, build_s2t, padded_fbank
+from ..speech_data import (
+    USER_DIR,
+    asr_checkpoint,
+    build_s2t,
+    padded_fbank,
+    train_s2t,
+    write_speech_data,
+)
 from local_attn_fairseq.models.s2t_transformer_local import (
     PAPER_WINDOWS,
     S2TTransformerLocalModel,
@@ -169,18 +176,23 @@ def test_fairseq_train_then_generate_without_extra_options(tmp_path_factory):
     assert "Generate dev_asr" in result.stdout
 
 
-def test_asr_encoder_initialises_the_st_model(tmp_path_factory):
-    """--load-pretrained-encoder-from, through fairseq's option parsing and task, as
-    fairseq-train builds the ST model; the saved arguments then no longer need the file."""
-    data, checkpoint = asr_checkpoint(tmp_path_factory)
+def st_model_args(data, *extra):
+    """fairseq-train's arguments for a tiny ST model, parsed as fairseq-train parses them."""
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(
+    return options.parse_args_and_arch(
         parser,
         [str(data), "--user-dir", USER_DIR, "--task", "speech_to_text", "--config-yaml",
          "config_st.yaml", "--arch", "s2t_transformer_local_tiny", "--encoder-embed-dim", "32",
          "--encoder-ffn-embed-dim", "64", "--decoder-embed-dim", "32", "--conv-channels", "32",
-         "--load-pretrained-encoder-from", str(checkpoint)],
+         *map(str, extra)],
     )  # fmt: skip
+
+
+def test_asr_encoder_initialises_the_st_model(tmp_path_factory):
+    """--load-pretrained-encoder-from, through fairseq's option parsing and task, as
+    fairseq-train builds the ST model; the saved arguments then no longer need the file."""
+    data, checkpoint = asr_checkpoint(tmp_path_factory)
+    args = st_model_args(data, "--load-pretrained-encoder-from", checkpoint)
     task = tasks.setup_task(args)
     model = task.build_model(args)
     asr = checkpoint_utils.load_checkpoint_to_cpu(str(checkpoint))["model"]
@@ -189,6 +201,43 @@ def test_asr_encoder_initialises_the_st_model(tmp_path_factory):
     for name, value in encoder.items():
         torch.testing.assert_close(value, asr[f"encoder.{name}"])
     assert args.load_pretrained_encoder_from is None
+
+
+@pytest.mark.parametrize("st_ctc", [False, True], ids=["st", "st-with-ctc"])
+def test_ctc_trained_asr_encoder_initialises_st_without_its_ctc_projection(tmp_path, st_ctc):
+    """ASR trained by fairseq-train with fairseq's CTC loss has a CTC projection onto the ASR
+    vocabulary in its encoder; the ST encoder takes every other weight, and keeps its own
+    projection (onto the ST vocabulary) when it has CTC too."""
+    data = write_speech_data(tmp_path / "data")
+    ctc = ["--criterion", "label_smoothed_cross_entropy_with_ctc", "--ctc-weight", "0.3"]
+    log = train_s2t(data, tmp_path / "asr", "asr", *ctc)
+    assert "ctc_loss" in log.stdout + log.stderr
+    asr_checkpoint_path = tmp_path / "asr" / "checkpoint_last.pt"
+    asr_state = checkpoint_utils.load_checkpoint_to_cpu(str(asr_checkpoint_path))["model"]
+    asr = {k[len("encoder.") :]: v for k, v in asr_state.items() if k.startswith("encoder.")}
+    assert "ctc_proj.weight" in asr
+
+    args = st_model_args(data, *(ctc if st_ctc else []), "--load-pretrained-encoder-from",
+                         asr_checkpoint_path)  # fmt: skip
+    torch.manual_seed(0)
+    encoder = tasks.setup_task(args).build_model(args).encoder.state_dict()
+    projection = {k for k in encoder if k.startswith("ctc_proj.")}
+    assert bool(projection) is st_ctc
+    assert encoder.keys() - projection == {k for k in asr if not k.startswith("ctc_proj.")}
+    for name, value in encoder.items():
+        if name in projection:
+            assert not torch.equal(value, asr[name]), name  # its own, freshly initialised
+        else:
+            torch.testing.assert_close(value, asr[name])
+
+
+def test_pretrained_encoder_of_another_shape_is_a_clear_error(tmp_path_factory):
+    data, checkpoint = asr_checkpoint(tmp_path_factory)
+    args = st_model_args(data, "--encoder-layers", 4, "--encoder-attention-windows", "0,0,0,0",
+                         "--load-pretrained-encoder-from", checkpoint)  # fmt: skip
+    message = r"parameters do not fit this model's: 32 unexpected \(transformer_layers\.4\."
+    with pytest.raises(ValueError, match=message):
+        tasks.setup_task(args).build_model(args)
 
 
 def test_missing_pretrained_encoder_is_an_error(tmp_path):

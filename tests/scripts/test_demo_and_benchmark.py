@@ -1,8 +1,9 @@
-"""The demo and the benchmark end to end, reduced to a smoke run (small training set, 1 epoch)."""
+"""The demos and the benchmark end to end, reduced to a smoke run (small training set, 1 epoch)."""
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -39,6 +40,46 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     # a second run finds everything done and only prints the table again
     again = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
     assert again.returncode == 0 and "fairseq-train" not in again.stdout
+
+
+@pytest.mark.skipif(not shutil.which("espeak-ng"), reason="espeak-ng synthesises the speech")
+def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
+    work = tmp_path / "speech"
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "demo_speech.py"), "--quick"]
+    cmd += ["--work-dir", work]
+    out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    asr_dir = work / "runs_96-16-16_spm250" / "asr_ctc_e1"
+    windows = (asr_dir / "contributions" / "windows.txt").read_text().strip()
+    table = out.stdout[out.stdout.index("| model |") :]
+    assert re.search(r"\| ASR \(global\) \| 0,0,0,0,0,0 \| WER [\d.]+ \|", table)
+    assert re.search(r"\| ST baseline \(global\) \| 0,0,0,0,0,0 \| BLEU [\d.]+ \|", table)
+    assert f"| ST local (windows) | {windows} | BLEU" in table
+    assert len(windows.split(",")) == 6
+    for analysis in ("contributions", "contributions_asr_vs_st"):
+        for name in ("contributions.json", "contribution_matrices.png", "ccd.png"):
+            assert (asr_dir / analysis / name).stat().st_size > 0
+    compared = json.loads((asr_dir / "contributions_asr_vs_st" / "contributions.json").read_text())
+    assert compared["compare"]["subset"] == "dev_st" and len(compared["compare"]["layers"]) == 6
+    assert "ctc_loss" in (asr_dir / "train.log").read_text()  # ASR trains with fairseq's CTC
+    local_dir = asr_dir / f"st_local_e1_w{windows.replace(',', '-')}"
+    st_log = (local_dir / "train.log").read_text()
+    assert (
+        "loaded pretrained encoder" in st_log and f"encoder attention windows: {windows}" in st_log
+    )
+    rows = json.loads((work / "results.json").read_text())["rows"]
+    assert [r["metric"] for r in rows] == ["WER", "BLEU", "BLEU"]
+
+    # a run that stopped before its end is trained and scored again; finished ones are reused
+    log = local_dir / "train.log"
+    log.write_text(st_log.replace("done training in", "stopped after"))
+    again = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    for tool in ("fairseq-train", "fairseq-generate"):
+        redone = [
+            line for line in again.stdout.splitlines() if line.startswith("$ ") and tool in line
+        ]
+        assert len(redone) == 1 and str(local_dir) in redone[0], (tool, redone)
 
 
 def test_benchmark_prints_the_ratio(tmp_path):
