@@ -162,7 +162,7 @@ def contributions(data, asr_checkpoint, out_dir, num_sentences, st_checkpoint=No
         if st_checkpoint:
             command += ["--compare-path", st_checkpoint, "--compare-config-yaml", "config_st.yaml"]
             command += ["--compare-gen-subset", "dev_st"]
-        run(command, log_path=os.path.join(out_dir + ".log"))
+        run(command, log_path=out_dir + ".log")
     return open(windows_path).read().strip()
 
 

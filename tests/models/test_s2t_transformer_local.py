@@ -209,6 +209,7 @@ def test_ctc_trained_asr_encoder_initialises_st_without_its_ctc_projection(tmp_p
     vocabulary in its encoder; the ST encoder takes every other weight, and keeps its own
     projection (onto the ST vocabulary) when it has CTC too."""
     data = write_speech_data(tmp_path / "data")
+    # given after train_s2t's own --criterion, this one wins
     ctc = ["--criterion", "label_smoothed_cross_entropy_with_ctc", "--ctc-weight", "0.3"]
     log = train_s2t(data, tmp_path / "asr", "asr", *ctc)
     assert "ctc_loss" in log.stdout + log.stderr

@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -42,7 +41,6 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     assert again.returncode == 0 and "fairseq-train" not in again.stdout
 
 
-@pytest.mark.skipif(not shutil.which("espeak-ng"), reason="espeak-ng synthesises the speech")
 def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     work = tmp_path / "speech"
     cmd = [sys.executable, os.path.join(REPO, "scripts", "demo_speech.py"), "--quick"]
