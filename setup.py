@@ -53,10 +53,15 @@ def banded_attention_extension():
     )
     if cuda_wanted(torch, cpp_extension):
         choose_cuda_archs(torch)
-        kwargs["sources"] = sources + ["csrc/banded_attention_cuda.cu"]
+        # The tensor-core kernels need sm_80 or newer; DEFAULT_CUDA_ARCHS are 8.0 and 9.0.
+        kwargs["sources"] = sources + [
+            "csrc/banded_attention_cuda.cu",
+            "csrc/banded_attention_tensor_core.cu",
+        ]
+        cuda_macros = ["-DLOCAL_ATTN_WITH_CUDA", "-DLOCAL_ATTN_WITH_TENSOR_CORE"]
         kwargs["extra_compile_args"] = {
-            "cxx": cxx_flags + ["-DLOCAL_ATTN_WITH_CUDA"],
-            "nvcc": ["-O3", "-DLOCAL_ATTN_WITH_CUDA"],
+            "cxx": cxx_flags + cuda_macros,
+            "nvcc": ["-O3"] + cuda_macros,
         }
         extension = cpp_extension.CUDAExtension(**kwargs)
     else:

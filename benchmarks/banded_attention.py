@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""The banded attention operator against what a user would otherwise write, on CPU or GPU.
+"""The banded attention routes against what a user would otherwise write, on CPU or GPU.
 
     python benchmarks/banded_attention.py [--quick] [--lengths 256 1024] [--widths 5 65]
-    python benchmarks/banded_attention.py --device cuda --dtype bfloat16
+    python benchmarks/banded_attention.py --device cuda --dtype bfloat16 --batch 8 --heads 8
 
 Compared, for each sequence length T and band width w = left + right + 1 (left = right):
-  banded  ``local_attn_fairseq.ops.banded_attention`` (the compiled kernel; ``--impl torch``
-          measures the pure-PyTorch fallback instead);
+  banded  ``local_attn_fairseq.ops.banded_attention`` on the route of ``--impl`` (the compiled
+          kernels by default; ``torch`` is the pure-PyTorch fallback, ``tensor-core`` the
+          tensor-core kernel);
+  blocked the same function on its blocked-SDPA route (``LOCAL_ATTN_BANDED_IMPL=sdpa``);
+  flex    ``torch.nn.attention.flex_attention`` with a sliding-window ``create_block_mask``,
+          compiled with ``torch.compile`` (no backward on the CPU: forward only there; a
+          compilation that fails is reported in its cell);
   sdpa    ``torch.nn.functional.scaled_dot_product_attention`` with a boolean (T, T) band mask;
   naive   matmul, masked_fill, softmax, matmul;
   global  scaled_dot_product_attention without a mask: the global attention that a local layer
@@ -17,18 +22,19 @@ Time: the median of --repeats rounds, the implementations alternating within eac
 that load from other processes on a shared machine hits them alike. Memory: the peak of the
 bytes torch allocates during one call (outputs, gradients, saved and temporary tensors), read
 from the allocation events of torch's profiler (``profile_memory=True``) on the CPU and from
-the caching allocator's peak statistic on the GPU, plus, for the dense
-implementations, the (T, T) mask they need resident. The mask is built outside the timed region
-(a model would build it once). "Beyond outputs" leaves out what every implementation allocates
-alike (the output, and for forward + backward the seed gradient and the three input gradients):
-the memory each one needs to compute them. GFLOP/s counts the useful band work, 4 * T * w * D
-per head forward and 3x that for forward + backward, and is compared with the device's peak,
-estimated by timing a large matmul of the same dtype in the same run (on a GPU, the banded
-kernels work on CUDA cores, so a fraction of the tensor-core matmul peak is expected). Dense implementations are skipped
-where their T x T tensors would exceed --dense-memory-gb.
+the caching allocator's peak statistic on the GPU, plus, for the dense implementations, the
+(T, T) mask they need resident. Masks are built outside the timed region (a model would build
+them once). "beyond outputs" leaves out what every implementation allocates alike (the output,
+and for forward + backward the seed gradient and the three input gradients). Band TFLOP/s
+counts the useful band work of every route alike: 4 * B * H * T * w * D forward, and 3x that
+for forward + backward (backward = 2x forward; FlashAttention's papers count 2.5x, which would
+scale every fwd+bwd figure by 3.5 / 3), against the device's matmul peak, estimated by timing a
+large matmul of the same dtype in the same run. Dense implementations are skipped where their
+T x T tensors would exceed --dense-memory-gb.
 """
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -44,11 +50,10 @@ if "--spin" not in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
+from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
 from local_attn_fairseq.ops import banded_attention, extension_info  # noqa: E402
 
+IMPL_ENV = "LOCAL_ATTN_BANDED_IMPL"
 MiB = 2**20
 
 
@@ -62,20 +67,58 @@ def naive_attention(q, k, v, mask):
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
-IMPLEMENTATIONS = ("banded", "sdpa", "naive", "global")
+IMPLEMENTATIONS = ("banded", "blocked", "flex", "sdpa", "naive", "global")
+DENSE = ("sdpa", "naive")
 
 
-def make_runners(length, width, device):
-    """name -> (callable(q, k, v) -> out, resident bytes it needs besides its own allocations)."""
+def on_route(route, half):
+    """banded_attention on one route (the variable is read at every call)."""
+
+    def run(q, k, v):
+        os.environ[IMPL_ENV] = route
+        return banded_attention(q, k, v, half, half)
+
+    return run
+
+
+def flex_runner(length, half, device):
+    """Compiled FlexAttention with a sliding-window block mask, or the reason it cannot run."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as error:
+        return None, f"unavailable: {error}"
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= half) & (kv_idx - q_idx <= half)
+
+    block_mask = create_block_mask(sliding_window, None, None, length, length, device=str(device))
+    compiled = torch.compile(flex_attention)
+    return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask)), None
+
+
+def make_runners(length, width, device, impl, backward):
+    """name -> (callable(q, k, v) -> out, resident bytes besides its own allocations), and
+    name -> why a route has no figure."""
     half = (width - 1) // 2
     mask = band_mask(length, half, half).to(device)
     sdpa = F.scaled_dot_product_attention
-    return {
-        "banded": (lambda q, k, v: banded_attention(q, k, v, half, half), 0),
+    runners = {
+        "banded": (on_route(impl, half), 0),
+        "blocked": (on_route("sdpa", half), 0),
         "sdpa": (lambda q, k, v: sdpa(q, k, v, attn_mask=mask), mask.nbytes),
         "naive": (lambda q, k, v: naive_attention(q, k, v, mask), mask.nbytes),
         "global": (lambda q, k, v: sdpa(q, k, v), 0),
     }
+    notes = {}
+    if backward and device.type == "cpu":
+        notes["flex"] = "no CPU backward"
+    else:
+        flex, why = flex_runner(length, half, device)
+        if flex is None:
+            notes["flex"] = why
+        else:
+            runners["flex"] = (flex, 0)
+    return runners, notes
 
 
 def synchronize(device):
@@ -142,55 +185,75 @@ def dense_fits(batch, heads, length, budget_bytes):
     return 3 * batch * heads * length * length * 4 <= budget_bytes
 
 
+def _short(error: BaseException) -> str:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"failed: {type(error).__name__}: {first[:150]}".replace("|", "/")
+
+
 def measure(args, length, width, backward):
+    """name -> (median seconds, peak bytes, bytes every route returns) or a note string."""
     gen = torch.Generator().manual_seed(0)
     shape = (args.batch, args.heads, length, args.dim)
     inputs = [
         torch.randn(shape, generator=gen).to(args.device, args.dtype).requires_grad_(backward)
         for _ in range(3)
     ]
-    runners = make_runners(length, width, args.device)
+    runners, notes = make_runners(length, width, args.device, args.impl, backward)
     if not dense_fits(args.batch, args.heads, length, args.dense_memory_gb * 2**30):
-        # flash attention needs no T x T memory: global attention stays on a GPU
-        keep = ("banded", "global") if args.device.type == "cuda" else ("banded",)
-        runners = {name: runners[name] for name in keep}
+        for name in DENSE:
+            del runners[name]
+            notes[name] = "skipped (T x T memory)"
+        if args.device.type != "cuda":  # flash attention needs no T x T memory on a GPU
+            del runners["global"]
+            notes["global"] = "skipped (T x T memory)"
+    for name, (fn, _) in list(runners.items()):  # warm-up (and compilation), not timed
+        try:
+            one_call(fn, inputs, backward)
+        except Exception as error:  # a route that cannot run here is reported, not fatal
+            notes[name] = _short(error)
+            del runners[name]
     times = {name: [] for name in runners}
-    for name, (fn, _) in runners.items():  # warm-up
-        one_call(fn, inputs, backward)
     for _ in range(args.repeats):
         for name, (fn, _) in runners.items():
             times[name].append(timed(fn, inputs, backward))
-    memory = {
-        name: peak_bytes(fn, inputs, backward) + extra for name, (fn, extra) in runners.items()
-    }
     # What every implementation allocates alike: the output, and with backward also the seed
     # gradient and the three input gradients.
     returned = inputs[0].nbytes * (5 if backward else 1)
-    return {name: (statistics.median(times[name]), memory[name], returned) for name in runners}
+    result = dict(notes)
+    for name, (fn, extra) in runners.items():
+        memory = peak_bytes(fn, inputs, backward) + extra
+        result[name] = (statistics.median(times[name]), memory, returned)
+    return result
 
 
-def format_row(length, width, mode, result, flops, peak_gflops):
-    banded_time, banded_mem, _ = result["banded"]
-    cells = [str(length), str(width), mode]
+def format_rows(length, width, mode, result, flops, peak_tflops):
+    """One table row per route: time, speed-ups, memory, band TFLOP/s (or why it is missing)."""
+    rows = []
+    banded, glob = result.get("banded"), result.get("global")
     for name in IMPLEMENTATIONS:
-        cells.append(f"{result[name][0] * 1e3:.2f}" if name in result else "skipped")
-    for name in IMPLEMENTATIONS[1:]:
-        cells.append(f"{result[name][0] / banded_time:.1f}x" if name in result else "-")
-    for name in IMPLEMENTATIONS:
-        cells.append(f"{result[name][1] / MiB:.1f}" if name in result else "skipped")
-    cells.append(f"{result['sdpa'][1] / banded_mem:.1f}x" if "sdpa" in result else "-")
-    returned = result["banded"][2]
-    working = {name: max(result[name][1] - returned, 1) for name in result}
-    cells.append(f"{working['sdpa'] / working['banded']:.0f}x" if "sdpa" in result else "-")
-    gflops = flops / banded_time / 1e9
-    cells += [f"{gflops:.1f}", f"{100 * gflops / peak_gflops:.0f}%"]
-    return "| " + " | ".join(cells) + " |"
+        cells = [str(length), str(width), mode, name]
+        value = result.get(name)
+        if not isinstance(value, tuple):
+            cells += [value or "-"] + ["-"] * 6
+        else:
+            seconds, memory, returned = value
+            tflops = flops / seconds / 1e12
+            cells += [
+                f"{seconds * 1e3:.2f}",
+                f"{banded[0] / seconds:.2f}x" if isinstance(banded, tuple) else "-",
+                f"{glob[0] / seconds:.2f}x" if isinstance(glob, tuple) else "-",
+                f"{memory / MiB:.1f}",
+                f"{max(memory - returned, 0) / MiB:.1f}",
+                f"{tflops:.3g}",
+                f"{100 * tflops / peak_tflops:.1f}%",
+            ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
 
 
 HEADER = [
-    "T", "w", "mode", "banded ms", "sdpa ms", "naive ms", "global ms", "sdpa/banded",
-    "naive/banded", "global/banded", "banded MiB", "sdpa MiB", "naive MiB", "global MiB",
-    "sdpa/banded mem", "sdpa/banded mem beyond outputs", "banded GFLOP/s", "of peak",
+    "T", "w", "mode", "route", "ms", "speed vs banded", "speed vs global", "peak MiB",
+    "MiB beyond outputs", "band TFLOP/s", "of peak",
 ]  # fmt: skip
 
 
@@ -204,12 +267,18 @@ def parse_args():
     parser.add_argument(
         "--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"]
     )
+    parser.add_argument(
+        "--backward", action="store_true", help="forward + backward only (--modes fwd+bwd)"
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dense-memory-gb", type=float, default=6.0)
-    parser.add_argument("--impl", choices=["extension", "torch"], default="extension")
+    parser.add_argument(
+        "--impl", choices=["extension", "torch", "tensor-core"], default="extension",
+        help="the route of the 'banded' rows",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"]
@@ -220,18 +289,22 @@ def parse_args():
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.widths, args.repeats = [256, 1024], [5, 65], 2
+    if args.backward:
+        args.modes = ["fwd+bwd"]
+    if any(w < 1 or w % 2 == 0 for w in args.widths):
+        parser.error("--widths: odd band widths w = 2 * half + 1 >= 1")
     args.device, args.dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
-    return args  # fmt: skip
+    return args
 
 
 def main():
     args = parse_args()
-    os.environ["LOCAL_ATTN_BANDED_IMPL"] = args.impl
+    logging.getLogger("filelock").setLevel(logging.WARNING)  # torch.compile's cache locks
     if args.threads:
         torch.set_num_threads(args.threads)
-    peak = matmul_peak_gflops(args.device, args.dtype)
+    peak = matmul_peak_gflops(args.device, args.dtype) / 1e3
     info = extension_info()
     if args.device.type == "cuda":
         where = torch.cuda.get_device_name(args.device)
@@ -241,9 +314,10 @@ def main():
         )
     dtype = str(args.dtype).replace("torch.", "")
     lines = [
-        f"banded implementation: {args.impl} {info}; torch {torch.__version__}; {where}; "
+        f"banded route: {args.impl} {info}; torch {torch.__version__}; {where}; "
         f"B={args.batch} H={args.heads} D={args.dim} {dtype}; "
-        f"peak ({dtype} matmul) {peak:.0f} GFLOP/s; times: median of {args.repeats} rounds",
+        f"peak ({dtype} matmul) {peak:.3f} TFLOP/s; times: median of {args.repeats} rounds; "
+        "band FLOPs: 4*B*H*T*w*D forward, 3x with backward",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
@@ -256,11 +330,11 @@ def main():
                 result = measure(args, length, width, backward)
                 band_flops = 4 * args.batch * args.heads * length * width * args.dim
                 flops = band_flops * (3 if backward else 1)
-                lines.append(format_row(length, width, mode, result, flops, peak))
-                print(lines[-1], flush=True)
+                rows = format_rows(length, width, mode, result, flops, peak)
+                lines += rows
+                print("\n".join(rows), flush=True)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+        atomic_write_text(args.output, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

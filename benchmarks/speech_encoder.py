@@ -2,6 +2,7 @@
 """Speech encoder training cost: local attention (Alastruey et al.'s windows) against global.
 
     python benchmarks/speech_encoder.py [--seconds 10 30 60] [--batch 2] [--rounds 3]
+    python benchmarks/speech_encoder.py --device cuda --dtype bfloat16 --batch 8
 
 Both encoders are ``s2t_transformer_local`` at the paper's size (fairseq's s2t_transformer_s:
 12 layers, d=256, 4 heads, FFN 2048, two strided Conv1d layers), with the same weights: "local"
@@ -40,6 +41,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from banded_attention import peak_bytes  # noqa: E402
 from fairseq.data import Dictionary  # noqa: E402
 
+from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
+
 from local_attn_fairseq.models.s2t_transformer_local import (  # noqa: E402
     PAPER_WINDOWS,
     S2TTransformerLocalModel,
@@ -52,7 +55,7 @@ MiB = 2**20
 TARGET_SPEEDUP = 1.5
 
 
-def build_encoder(windows: str, device):
+def build_encoder(windows: str, device, dtype=torch.float32):
     args = Namespace(
         input_feat_per_channel=FBANK_DIM,
         input_channels=1,
@@ -63,7 +66,7 @@ def build_encoder(windows: str, device):
     s2t_transformer_local(args)
     dictionary = Dictionary()
     model = S2TTransformerLocalModel.build_model(args, Namespace(target_dictionary=dictionary))
-    return model.encoder.to(device).train(), args
+    return model.encoder.to(device=device, dtype=dtype).train(), args
 
 
 def encoder_loss(encoder, features, lengths):
@@ -117,7 +120,7 @@ def matmul_flops(args, fbank_frames: int, batch: int, windows) -> float:
 
 def measure(models, seconds, args):
     frames = seconds * FRAMES_PER_SECOND
-    features = torch.randn(args.batch, frames, FBANK_DIM, device=args.device)
+    features = torch.randn(args.batch, frames, FBANK_DIM, device=args.device, dtype=args.dtype)
     lengths = torch.full((args.batch,), frames, dtype=torch.long, device=args.device)
     names = list(models)
     for name in names:  # warm-up, not timed
@@ -136,11 +139,28 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=2, help="utterances per batch")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--windows", default=PAPER_WINDOWS, help="the local model's windows")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and features (float16: CUDA only)",
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--spin", action="store_true", help="keep OpenMP's spinning workers")
     parser.add_argument("--output", help="also write the table to this file")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    if args.dtype == "float16" and args.device.type != "cuda":
+        parser.error("--dtype float16 needs --device cuda (use bfloat16 or float32 on the CPU)")
+    args.dtype = getattr(torch, args.dtype)
+    return args
+
+
+def device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def main():
@@ -148,16 +168,17 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(1)
-    local, model_args = build_encoder(args.windows, args.device)
+    local, model_args = build_encoder(args.windows, args.device, args.dtype)
     global_windows = ",".join("0" for _ in args.windows.split(","))
-    dense, _ = build_encoder(global_windows, args.device)
+    dense, _ = build_encoder(global_windows, args.device, args.dtype)
     dense.load_state_dict(local.state_dict())
     models = {"global": dense, "local": local}
     windows = {name: [int(w) for w in m.attention_windows] for name, m in models.items()}
 
     lines = [
         f"s2t_transformer_local encoder (12 x d256, 4 heads), forward + backward, batch "
-        f"{args.batch}, {args.device}, torch {torch.__version__}, {torch.get_num_threads()} "
+        f"{args.batch}, {device_name(args.device)}, {str(args.dtype).replace('torch.', '')}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads; local windows {args.windows}; times: median of {args.rounds} rounds",
         "",
         "| audio | fbank frames | encoder frames | global s | local s | speed-up | "
@@ -187,8 +208,7 @@ def main():
     )
     print(lines[-1])
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+        atomic_write_text(args.output, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

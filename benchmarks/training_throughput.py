@@ -1,19 +1,33 @@
 #!/usr/bin/env python3
-"""Training throughput of a plugin architecture against fairseq's ``transformer``.
+"""Training throughput of the plugin's mechanisms against fairseq's ``transformer``.
 
-Both models are built through fairseq's own argument parsing with the demo's sizes, on the
-demo's binarised Ding data (prepared if missing), and trained on the same batches with the
-same criterion and optimiser. The machine is shared and noisy, so the two are timed in
-alternating rounds within one process and the ratio of their median rates is what counts.
+Every model is built through fairseq's own argument parsing with the demo's sizes (or
+Transformer base with --base-sizes), on the demo's binarised Ding data (prepared if missing),
+and trained on the same batches with the same criterion and optimiser. The machine is shared
+and noisy, so all models are timed in alternating rounds within one process and the ratio of
+each one's median rate to the baseline's is what counts.
 
     python benchmarks/training_throughput.py [--candidate ARCH] [--rounds 6] [--batches 20]
-    python benchmarks/training_throughput.py --device cuda --base-sizes --candidate transformer_dynwin
+    python benchmarks/training_throughput.py --mechanisms all --rounds 4
+    python benchmarks/training_throughput.py --device cuda --fp16 --base-sizes \
+        --max-tokens 8192 --mechanisms all
 
-Targets: ``transformer_local_tied`` (fixed masks must cost almost nothing) and
-``transformer_localness`` (Yang et al. report 0.925 of the baseline's speed) >= 0.95;
-``transformer_dynwin`` (Nguyen et al. report 0.87) >= 0.90.
+Mechanisms (--mechanisms, each against the same baseline): tied (``transformer_local_tied``,
+Pande's fixed masks with tied Q/K), localness (``transformer_localness``, Yang's Gaussian
+bias), dynwin (``transformer_dynwin``, Nguyen's differentiable windows), gated (Hard Concrete
+head gates on every attention type with the L0 criterion, Voita et al.) and local-8 (every
+encoder self-attention head on an 8-key banded window). The speech model
+(``s2t_transformer_local`` against ``s2t_transformer``) is timed by
+benchmarks/speech_encoder.py.
 
-The run also counts the floating-point operations of both models' matrix products on the same
+Targets: tied and localness >= 0.95 (Yang et al. report 0.925 of the baseline's speed); dynwin
+>= 0.90 (Nguyen et al. report 0.87).
+
+--fp16 / --bf16 train in half precision as fairseq's trainer does (the models are converted,
+and fairseq sees the option), on CUDA only: fairseq has no half-precision CPU training. The
+optimiser is plain Adam on the models' parameters for every model alike (no fp32 master copy).
+
+The run also counts the floating-point operations of each model's matrix products on the same
 batches: their ratio is the most any implementation can reach where those products bound the
 speed, as they do on a CPU. The differentiable window's pointer and local projections alone
 (four, resp. six d x d matrices per attention module, Eqs. 7-8 and 14-15) put that ceiling at
@@ -36,15 +50,35 @@ sys.path.insert(0, ROOT)
 import demo  # noqa: E402  (the demo's data preparation and model sizes)
 from fairseq import options, tasks, utils  # noqa: E402
 
-# Targets against the baseline; fixed masks and Gaussian localness aim at 0.95. Nguyen et al.
-# report 0.87 for their dynamic windows.
-TARGETS = {"transformer_dynwin": 0.90}
+TARGETS = {"dynwin": 0.90, "transformer_dynwin": 0.90}
+DEFAULT_TARGET = 0.95
+HEADS = 8  # the demo's and Transformer base's heads per attention module
+
+
+def local_config(window: int) -> str:
+    heads = ", ".join([f"local-{window}"] * HEADS)
+    return f"{{encoder_self: {{all: [{heads}]}}}}"
+
+
+# name -> (arch, extra fairseq options)
+MECHANISMS = {
+    "tied": ("transformer_local_tied", []),
+    "localness": ("transformer_localness", []),
+    "dynwin": ("transformer_dynwin", []),
+    "gated": (
+        "transformer_local",
+        ["--head-gates", "enc,dec,cross", "--criterion", "label_smoothed_cross_entropy_l0",
+         "--l0-lambda", "0.02"],
+    ),  # fmt: skip
+    "local-8": ("transformer_local", ["--locality-config", local_config(8)]),
+}
+PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def build(bin_dir, arch, extra, dims):
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(
-        parser, [bin_dir, "--arch", arch, *extra, *dims, *demo.SCHEDULE]
+        parser, [bin_dir, "--arch", arch, *dims, *demo.SCHEDULE, *extra]  # extra options win
     )
     task = tasks.setup_task(args)
     model = task.build_model(args)
@@ -97,7 +131,7 @@ def training_flops(model, criterion, batches):
     return counter.get_total_flops()
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batches", type=int, default=20, help="batches per model per round")
@@ -105,7 +139,7 @@ def main():
     parser.add_argument(
         "--candidate",
         default="transformer_local_tied",
-        help="plugin architecture to compare with fairseq's transformer",
+        help="plugin architecture to compare with fairseq's transformer (without --mechanisms)",
     )
     parser.add_argument(
         "--candidate-args",
@@ -113,32 +147,77 @@ def main():
         help="extra options for the candidate, e.g. '--relative-positions 16'",
     )
     parser.add_argument(
+        "--mechanisms",
+        nargs="+",
+        choices=[*MECHANISMS, "all"],
+        help="time these mechanisms (see above) instead of --candidate",
+    )
+    parser.add_argument(
         "--base-sizes",
         action="store_true",
         help="Transformer base sizes (512 dims, 6+6 layers) instead of the demo's",
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (float32 training)")
+    parser.add_argument(
+        "--max-tokens", type=int, help="tokens per batch (default: the demo's 1024)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true", help="float16 training (CUDA only)")
+    precision.add_argument("--bf16", action="store_true", help="bfloat16 training (CUDA only)")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
+    args.precision = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+    if args.precision and args.device.type != "cuda":
+        parser.error(
+            f"--{args.precision} needs --device cuda: fairseq trains in half precision on "
+            "GPUs only (on the CPU its trainer fails with \"'NoneType' object has no attribute "
+            "'xla_device'\"); drop the option to train in float32 on the CPU"
+        )
+    if args.mechanisms and "all" in args.mechanisms:
+        args.mechanisms = list(MECHANISMS)
+    return args
+
+
+def contenders(args, plugin):
+    """(label, arch, extra options) of the baseline and every candidate."""
+    baseline_label, baseline_arch, _ = demo.MODELS[0]
+    found = [(baseline_label, baseline_arch, plugin)]
+    if args.mechanisms:
+        for name in args.mechanisms:
+            arch, extra = MECHANISMS[name]
+            found.append((name, arch, plugin + extra))
+    else:
+        found.append((args.candidate, args.candidate, plugin + args.candidate_args.split()))
+    return found
+
+
+def main():
+    args = parse_args()
+    device = args.device
     dims = ["--share-all-embeddings"] if args.base_sizes else demo.MODEL_DIMS
+    options = [f"--{args.precision}"] if args.precision else []
+    if args.max_tokens:
+        options += ["--max-tokens", str(args.max_tokens)]
 
     data_dir = demo.data_dir_for(os.path.abspath(args.work_dir), demo.DEFAULT_VOCAB_SIZE)
     bin_dir = demo.prepare_data(data_dir, demo.DEFAULT_VOCAB_SIZE)
 
     torch.manual_seed(1)
-    baseline_label, baseline_arch, plugin = demo.MODELS[0]
-    contenders = [
-        (baseline_label, baseline_arch, plugin),
-        (args.candidate, args.candidate, plugin + args.candidate_args.split()),
-    ]
+    plugin = demo.MODELS[0][2]
     models = {}
-    for label, arch, extra in contenders:
-        task, targs, model, criterion, optimizer = build(bin_dir, arch, extra, dims)
-        models[label] = (model.to(device), criterion, optimizer)
+    for label, arch, extra in contenders(args, plugin):
+        task, targs, model, criterion, _ = build(bin_dir, arch, extra + options, dims)
+        model = model.to(device)
+        if args.precision:  # as fairseq's trainer does under --fp16 / --bf16
+            model = model.to(PRECISIONS[args.precision])
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+        models[label] = (model, criterion, optimizer)
     batches = [utils.move_to_cuda(b, device) if device.type == "cuda" else b
                for b in fixed_batches(task, targs, args.batches)]  # fmt: skip
+    if args.precision:
+        batches = [to_precision(b, PRECISIONS[args.precision]) for b in batches]
     words = sum(b["ntokens"] for b in batches)
 
     flops = {
@@ -151,37 +230,52 @@ def main():
     for r in range(args.rounds):
         for label in labels if r % 2 == 0 else labels[::-1]:
             rates[label].append(words / train_steps(*models[label], batches))
+    report(args, labels, rates, flops, words)
 
+
+def to_precision(sample, dtype):
+    """Floating tensors of a batch in the training dtype (fairseq's trainer does the same)."""
+    return utils.apply_to_sample(
+        lambda t: t.to(dtype) if t.is_floating_point() else t, sample
+    )
+
+
+def report(args, labels, rates, flops, words):
     sizes = "Transformer base sizes" if args.base_sizes else "demo sizes"
-    if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
+    if args.device.type == "cuda":
+        where = torch.cuda.get_device_name(args.device)
     else:
         where = f"CPU, torch threads {torch.get_num_threads()}"
     print(
-        f"\ntraining throughput, {sizes}, {args.batches} batches x {args.rounds} rounds "
-        f"({words} target words per pass), {where}\n"
+        f"\ntraining throughput, {sizes}, {args.precision or 'float32'}, {args.batches} batches "
+        f"x {args.rounds} rounds ({words} target words per pass), {where}, torch "
+        f"{torch.__version__}\n"
     )
-    print("| model | median words/s | min | max | GFLOP per pass |")
-    print("|---|---:|---:|---:|---:|")
+    print("| model | median words/s | min | max | GFLOP per pass | ratio | FLOP ceiling |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    base = statistics.median(rates[labels[0]])
     for label in labels:
         rs = rates[label]
+        ratio = statistics.median(rs) / base
+        ceiling = flops[labels[0]] / flops[label]
         print(
             f"| {label} | {statistics.median(rs):.0f} | {min(rs):.0f} | {max(rs):.0f} "
-            f"| {flops[label] / 1e9:.1f} |"
+            f"| {flops[label] / 1e9:.1f} | {ratio:.3f} | {ceiling:.3f} |"
         )
-    base, local = (statistics.median(rates[label]) for label in labels)
-    per_round = [l / b for b, l in zip(rates[labels[0]], rates[labels[1]])]
-    print(
-        f"\nratio {labels[1]} / {labels[0]}: {local / base:.3f} "
-        f"(per round: {', '.join(f'{x:.3f}' for x in per_round)}); "
-        f"target >= {TARGETS.get(args.candidate, 0.95):.2f}"
-    )
-    # Where the candidate's matrix products alone cost more, no implementation beats this ratio.
-    ceiling = flops[labels[0]] / flops[labels[1]]
-    print(
-        f"FLOP ratio {labels[0]} / {labels[1]} (the ceiling when matrix products bound the "
-        f"speed): {ceiling:.3f}; measured / ceiling: {local / base / ceiling:.3f}"
-    )
+    for label in labels[1:]:
+        local = statistics.median(rates[label])
+        per_round = [c / b for b, c in zip(rates[labels[0]], rates[label])]
+        print(
+            f"\nratio {label} / {labels[0]}: {local / base:.3f} "
+            f"(per round: {', '.join(f'{x:.3f}' for x in per_round)}); "
+            f"target >= {TARGETS.get(label, DEFAULT_TARGET):.2f}"
+        )
+        # Where the candidate's matrix products alone cost more, no implementation beats this.
+        ceiling = flops[labels[0]] / flops[label]
+        print(
+            f"FLOP ratio {labels[0]} / {label} (the ceiling when matrix products bound the "
+            f"speed): {ceiling:.3f}; measured / ceiling: {local / base / ceiling:.3f}"
+        )
 
 
 if __name__ == "__main__":

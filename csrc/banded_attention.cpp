@@ -155,16 +155,49 @@ TORCH_LIBRARY(local_attn, m) {
       "banded_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "int[] left, int[] right, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
       "float dropout_p) -> (Tensor, Tensor, Tensor)");
+  // The tensor-core kernels (float16/bfloat16, head dims 32/64/128, sm_80+): same arguments.
+  m.def(
+      "banded_forward_tensor_core(Tensor q, Tensor k, Tensor v, int[] left, int[] right, "
+      "Tensor? key_padding_mask, Tensor? dropout_keep, float scale, float dropout_p) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "banded_backward_tensor_core(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, int[] left, int[] right, Tensor? key_padding_mask, Tensor? dropout_keep, "
+      "float scale, float dropout_p) -> (Tensor, Tensor, Tensor)");
 }
+
+namespace {
+
+// The tensor-core operators have CUDA kernels only; on CPU tensors they say so.
+std::tuple<at::Tensor, at::Tensor> banded_forward_tensor_core_cpu(
+    const at::Tensor& q, const at::Tensor&, const at::Tensor&, at::IntArrayRef, at::IntArrayRef,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, double) {
+  TORCH_CHECK(false, "local_attn::banded_forward_tensor_core runs on CUDA tensors only, got ",
+              q.device(), " tensors; use local_attn::banded_forward");
+  return {};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_backward_tensor_core_cpu(
+    const at::Tensor&, const at::Tensor& q, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, at::IntArrayRef, at::IntArrayRef,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double, double) {
+  TORCH_CHECK(false, "local_attn::banded_backward_tensor_core runs on CUDA tensors only, got ",
+              q.device(), " tensors; use local_attn::banded_backward");
+  return {};
+}
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
   m.impl("banded_forward", &banded_forward_cpu);
   m.impl("banded_backward", &banded_backward_cpu);
+  m.impl("banded_forward_tensor_core", &banded_forward_tensor_core_cpu);
+  m.impl("banded_backward_tensor_core", &banded_backward_tensor_core_cpu);
 }
 
 }  // namespace local_attn
 
-// A Python module with two introspection helpers; importing it runs the registrations above.
+// A Python module with three introspection helpers; importing it runs the registrations above.
 namespace {
 
 PyObject* cpu_isa(PyObject*, PyObject*) {
@@ -179,9 +212,19 @@ PyObject* built_with_cuda(PyObject*, PyObject*) {
 #endif
 }
 
+PyObject* built_with_tensor_core(PyObject*, PyObject*) {
+#ifdef LOCAL_ATTN_WITH_TENSOR_CORE
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
 PyMethodDef module_methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "Which copy of the CPU kernels runs: avx2 or baseline."},
     {"built_with_cuda", built_with_cuda, METH_NOARGS, "Whether the CUDA kernels were compiled."},
+    {"built_with_tensor_core", built_with_tensor_core, METH_NOARGS,
+     "Whether the tensor-core CUDA kernels (banded_*_tensor_core) were compiled."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_banded_C",

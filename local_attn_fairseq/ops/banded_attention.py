@@ -1,33 +1,44 @@
-"""Banded (local) self-attention without a T x T matrix: the public API.
+"""Banded (local) self-attention without a T x T matrix: the public API and its dispatch.
 
-``banded_attention`` validates its arguments, draws the dropout mask, and runs either the
-compiled operators ``torch.ops.local_attn.banded_forward`` / ``banded_backward`` (C++ on the CPU,
-CUDA on the GPU; csrc/) or their pure-PyTorch twins in ``banded_reference``. The extension is
-imported lazily on first use; importing the plugin never requires it.
+``banded_attention`` validates its arguments, draws the dropout mask, and runs one of four
+routes with the same semantics:
 
-Choose the implementation with ``LOCAL_ATTN_BANDED_IMPL``: ``auto`` (default: the extension when
-it is built for the inputs' device, else PyTorch with a one-time warning), ``extension`` (fail if
-it is missing) or ``torch``.
+* ``extension``: the compiled operators ``torch.ops.local_attn.banded_forward`` /
+  ``banded_backward`` (C++ on the CPU, CUDA-core kernels on the GPU; csrc/);
+* ``tensor-core``: ``banded_forward_tensor_core`` / ``banded_backward_tensor_core``, the
+  band-restricted flash attention for float16/bfloat16 on sm_80+ GPUs (same schema);
+* ``sdpa``: ``blocked_sdpa``, PyTorch's ``scaled_dot_product_attention`` over blocks of queries
+  with the exact band as a mask (dropout_p = 0 only);
+* ``torch``: ``banded_reference``, plain PyTorch, on any device.
+
+``LOCAL_ATTN_BANDED_IMPL`` picks one (``auto``, the default, is the rule of ``choose_route``).
+The extension is imported lazily on first use; importing the plugin never requires it.
 """
 
 import importlib
+import operator
 import os
 import warnings
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import banded_reference
+from .blocked_sdpa import blocked_sdpa_output
 
 IMPL_ENV = "LOCAL_ATTN_BANDED_IMPL"
+ROUTES = ("auto", "extension", "torch", "sdpa", "tensor-core")
 EXTENSION_MODULE = "local_attn_fairseq._banded_C"
 BUILD_HINT = (
     "build it with `pip install --no-build-isolation -e .` (or `make setup`) in the "
     "local_attn_fairseq repository"
 )
 
-Window = Union[int, Sequence[int], torch.Tensor]
+Window = Union[int, Sequence[int], torch.Tensor, np.ndarray]
 
 
 class _ExtensionState:
@@ -39,8 +50,8 @@ class _ExtensionState:
     warned: set = set()
 
 
-def _op_defined() -> bool:
-    return hasattr(torch.ops, "local_attn") and hasattr(torch.ops.local_attn, "banded_forward")
+def _op_defined(name: str) -> bool:
+    return hasattr(torch.ops, "local_attn") and hasattr(torch.ops.local_attn, name)
 
 
 def load_extension():
@@ -56,21 +67,78 @@ def load_extension():
     return state.module
 
 
+def _built_with_tensor_core(module) -> bool:
+    # An extension built before the tensor-core kernel existed has no such function.
+    built = getattr(module, "built_with_tensor_core", None)
+    return bool(built and built()) and _op_defined("banded_forward_tensor_core")
+
+
 def extension_info() -> dict:
-    """Whether the extension is loaded, which CPU kernel copy it runs, and whether it has CUDA."""
+    """Whether the extension is loaded, which CPU kernel copy it runs, whether it has CUDA
+    kernels and the tensor-core kernel."""
     module = load_extension()
     if module is None:
         return {"loaded": False, "error": str(_ExtensionState.error)}
-    return {"loaded": True, "cpu_isa": module.cpu_isa(), "cuda": module.built_with_cuda()}
+    return {
+        "loaded": True,
+        "cpu_isa": module.cpu_isa(),
+        "cuda": module.built_with_cuda(),
+        "tensor_core": _built_with_tensor_core(module),
+    }
 
 
 def _warn_once(key: str, message: str) -> None:
     if key not in _ExtensionState.warned:
         _ExtensionState.warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch.
 
 CUDA_MAX_HEAD_DIM = 256  # the CUDA kernels keep a row's share of each lane in registers
+TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
+TENSOR_CORE_HEAD_DIMS = (32, 64, 128)
+TENSOR_CORE_MIN_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class GpuPreference:
+    """A route that was measured faster on a GPU than the CUDA-core kernels, for the calls it
+    covers: these dtypes and head dims, band widths (max left + max right + 1, clipped to the
+    sequence) in [min_width, max_width], no dropout unless the route has it."""
+
+    route: str
+    dtypes: Tuple[torch.dtype, ...]
+    head_dims: Tuple[int, ...]
+    min_width: int
+    max_width: int
+    measured: str  # GPU, torch version, date: the table in docs/banded_attention.md
+
+    def covers(self, dtype, head_dim, width, dropout_p) -> bool:
+        return (
+            dtype in self.dtypes
+            and head_dim in self.head_dims
+            and self.min_width <= width <= self.max_width
+            and (dropout_p == 0.0 or self.route != "sdpa")
+        )
+
+
+# What ``auto`` prefers on a GPU over the CUDA-core kernels, first match first. Only routes
+# whose GPU timings are in docs/banded_attention.md belong here; neither the tensor-core kernel
+# nor the blocked-SDPA route has run on a GPU yet, so auto keeps the CUDA-core kernels.
+MEASURED_GPU_PREFERENCES: Tuple[GpuPreference, ...] = ()
+
+
+def requested_route() -> str:
+    """The value of LOCAL_ATTN_BANDED_IMPL, checked."""
+    choice = os.environ.get(IMPL_ENV, "auto") or "auto"
+    if choice not in ROUTES:
+        raise ValueError(
+            f"{IMPL_ENV}={choice!r} is not a route of banded_attention: use one of "
+            f"{', '.join(ROUTES)} (see docs/banded_attention.md)"
+        )
+    return choice
 
 
 def _extension_has_device(module, device: torch.device, head_dim: int) -> bool:
@@ -79,39 +147,130 @@ def _extension_has_device(module, device: torch.device, head_dim: int) -> bool:
     return device.type == "cpu"
 
 
-def use_extension(device: torch.device, head_dim: int = 0) -> bool:
-    """Whether inputs on `device` run the compiled kernels (see the module docstring)."""
-    choice = os.environ.get(IMPL_ENV, "auto") or "auto"
-    if choice not in ("auto", "extension", "torch"):
-        raise ValueError(f"{IMPL_ENV} must be auto, extension or torch, got {choice!r}")
-    if choice == "torch":
-        return False
+def _loaded_or_warn():
     module = load_extension()
     if module is None:
-        if choice == "extension":
-            raise RuntimeError(
-                f"{IMPL_ENV}=extension but the banded attention extension cannot be imported "
-                f"({_ExtensionState.error}); {BUILD_HINT}"
-            )
         _warn_once(
             "missing",
             f"local_attn_fairseq: the banded attention extension is not built "
             f"({_ExtensionState.error}); using the slower pure-PyTorch implementation. "
             f"To use the C++/CUDA kernels, {BUILD_HINT}.",
         )
-        return False
-    if _extension_has_device(module, device, head_dim):
+    return module
+
+
+def _required_extension(device: torch.device, head_dim: int) -> str:
+    module = load_extension()
+    if module is None:
+        raise RuntimeError(
+            f"{IMPL_ENV}=extension but the banded attention extension cannot be imported "
+            f"({_ExtensionState.error}); {BUILD_HINT}"
+        )
+    if not _extension_has_device(module, device, head_dim):
+        raise RuntimeError(
+            f"{IMPL_ENV}=extension: the banded attention extension has no kernel for "
+            f"{device.type} inputs of head dim {head_dim}"
+        )
+    return "extension"
+
+
+def _tensor_core_gap(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why the tensor-core kernel cannot take these inputs, or None when it can."""
+    if device.type != "cuda":
+        return f"it runs on CUDA devices only, not {device.type}"
+    if dtype not in TENSOR_CORE_DTYPES:
+        return f"it takes float16 and bfloat16, not {str(dtype).replace('torch.', '')}"
+    if head_dim not in TENSOR_CORE_HEAD_DIMS:
+        return f"it takes head dims {TENSOR_CORE_HEAD_DIMS}, not {head_dim}"
+    if torch.cuda.get_device_capability(device) < TENSOR_CORE_MIN_CAPABILITY:
+        return "it needs a GPU of compute capability 8.0 or newer"
+    return None
+
+
+def _route_available(route, device, dtype, head_dim) -> bool:
+    if route == "sdpa":
         return True
-    what = f"{device.type} inputs of head dim {head_dim}"
-    if choice == "extension":
-        raise RuntimeError(f"the banded attention extension has no kernel for {what}")
+    module = load_extension()
+    if module is None:
+        return False
+    if route == "tensor-core":
+        return _built_with_tensor_core(module) and _tensor_core_gap(device, dtype, head_dim) is None
+    return _extension_has_device(module, device, head_dim)
+
+
+def _automatic_route(device, dtype, head_dim, width, dropout_p) -> str:
+    if device.type == "cuda":
+        for preference in MEASURED_GPU_PREFERENCES:
+            if preference.covers(dtype, head_dim, width, dropout_p) and _route_available(
+                preference.route, device, dtype, head_dim
+            ):
+                return preference.route
+    module = _loaded_or_warn()
+    if module is None:
+        return "torch"
+    if _extension_has_device(module, device, head_dim):
+        return "extension"
     _warn_once(
         f"{device.type}/{head_dim}",
-        f"local_attn_fairseq: the banded attention extension has no kernel for {what}; using "
-        f"the pure-PyTorch implementation (CUDA needs nvcc at build time and head dim <= "
-        f"{CUDA_MAX_HEAD_DIM}).",
+        f"local_attn_fairseq: the banded attention extension has no kernel for {device.type} "
+        f"inputs of head dim {head_dim}; using the pure-PyTorch implementation (CUDA needs "
+        f"nvcc at build time and head dim <= {CUDA_MAX_HEAD_DIM}).",
     )
-    return False
+    return "torch"
+
+
+def choose_route(
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = 0,
+    width: int = 1,
+    dropout_p: float = 0.0,
+) -> str:
+    """The route a call runs: extension, tensor-core, sdpa or torch (see docs/banded_attention.md).
+
+    ``auto``: on the CPU the compiled kernels (PyTorch with a one-time warning when they are
+    not built); on a GPU the first entry of ``MEASURED_GPU_PREFERENCES`` that covers the call,
+    else the CUDA-core kernels, else PyTorch. ``sdpa`` and ``tensor-core`` are never chosen
+    without a GPU measurement; asked for by name, calls they cannot take (dropout for sdpa;
+    other devices, dtypes or head dims for tensor-core) take the ``auto`` route, with a warning
+    once. ``extension`` fails where it has no kernel; a missing tensor-core build fails too.
+    """
+    choice = requested_route()
+    if choice == "torch":
+        return "torch"
+    if choice == "extension":
+        return _required_extension(device, head_dim)
+    if choice == "sdpa":
+        if dropout_p == 0.0:
+            return "sdpa"
+        _warn_once(
+            "sdpa/dropout",
+            f"local_attn_fairseq: {IMPL_ENV}=sdpa cannot apply the operator's dropout mask; "
+            "calls with dropout_p > 0 take the automatic route.",
+        )
+    if choice == "tensor-core":
+        module = load_extension()
+        if module is None or not _built_with_tensor_core(module):
+            reason = _ExtensionState.error if module is None else "built without it"
+            raise RuntimeError(
+                f"{IMPL_ENV}=tensor-core but the tensor-core kernel is not available ({reason}); "
+                f"it is built with the CUDA kernels where nvcc is found: {BUILD_HINT}"
+            )
+        gap = _tensor_core_gap(device, dtype, head_dim)
+        if gap is None:
+            return "tensor-core"
+        _warn_once(
+            f"tensor-core/{gap}",
+            f"local_attn_fairseq: {IMPL_ENV}=tensor-core, but {gap}; those calls take the "
+            "automatic route.",
+        )
+    return _automatic_route(device, dtype, head_dim, width, dropout_p)
+
+
+def use_extension(device: torch.device, head_dim: int = 0) -> bool:
+    """Whether ``choose_route`` gives such inputs to the compiled ``banded_forward`` /
+    ``banded_backward`` (for callers that need that (out, lse) pair, else ``banded_reference``)."""
+    return choose_route(device, head_dim=head_dim) == "extension"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,30 +298,50 @@ def _setup_context(ctx, inputs, output):
     ctx.band = (list(left), list(right), scale, dropout_p)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, key_padding_mask, dropout_keep = ctx.saved_tensors
-    left, right, scale, dropout_p = ctx.band
-    if grad_out is None:  # only the (non-differentiable) lse was used
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.local_attn.banded_backward(
-        grad_out, q, k, v, out, lse, left, right, key_padding_mask, dropout_keep, scale, dropout_p
+def _autograd_backward(backward_op: str):
+    """The autograd backward of a forward operator, calling its twin `backward_op`."""
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, key_padding_mask, dropout_keep = ctx.saved_tensors
+        left, right, scale, dropout_p = ctx.band
+        if grad_out is None:  # only the (non-differentiable) lse was used
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = getattr(torch.ops.local_attn, backward_op)(
+            grad_out, q, k, v, out, lse, left, right, key_padding_mask, dropout_keep, scale,
+            dropout_p,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None
+
+    return backward
+
+
+# (forward, backward) operator pairs with the schema of local_attn::banded_forward/backward.
+OPERATOR_PAIRS = (
+    ("banded_forward", "banded_backward"),
+    ("banded_forward_tensor_core", "banded_backward_tensor_core"),
+)
+_REGISTERED: set = set()
+
+
+def register_operator_pair(forward: str, backward: str) -> bool:
+    """Fake kernels (for torch.compile / opcheck) and autograd of one operator pair; False when
+    the loaded library does not define it (an extension built before the pair existed)."""
+    if forward in _REGISTERED:
+        return True
+    if not (_op_defined(forward) and _op_defined(backward)):
+        return False
+    torch.library.register_fake(f"local_attn::{forward}", _fake_forward)
+    torch.library.register_fake(f"local_attn::{backward}", _fake_backward)
+    torch.library.register_autograd(
+        f"local_attn::{forward}", _autograd_backward(backward), setup_context=_setup_context
     )
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_REGISTERED = []
+    _REGISTERED.add(forward)
+    return True
 
 
 def _register_python_parts() -> None:
-    """Fake kernels (for torch.compile / opcheck) and autograd of the compiled operators."""
-    if _REGISTERED or not _op_defined():
-        return
-    torch.library.register_fake("local_attn::banded_forward", _fake_forward)
-    torch.library.register_fake("local_attn::banded_backward", _fake_backward)
-    torch.library.register_autograd(
-        "local_attn::banded_forward", _backward, setup_context=_setup_context
-    )
-    _REGISTERED.append(True)
+    for forward, backward in OPERATOR_PAIRS:
+        register_operator_pair(forward, backward)
 
 
 # torch imports this module for the fake kernels when the library was loaded some other way.
@@ -221,26 +400,46 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError("banded_attention: q, k and v must be on the same device")
 
 
-def _window_list(window: Window, heads: int, name: str) -> List[int]:
-    """One non-negative window per head, from an int, a sequence or an (H,) integer tensor."""
-    if isinstance(window, torch.Tensor):
-        if window.dtype.is_floating_point or window.dtype == torch.bool:
-            raise ValueError(f"banded_attention: {name} must hold integers, got {window.dtype}")
-        if window.dim() == 0:
-            window = int(window)
-        elif window.dim() != 1:
-            raise ValueError(f"banded_attention: {name} must be an int or a 1-D (heads,) tensor")
-        else:
-            window = window.tolist()
-    if isinstance(window, bool):
+def _window_value(value, name: str) -> int:
+    """One window as an int: any integer type (int, numpy or 0-d torch integers), not a float
+    (a computed float window would be truncated silently) nor a bool."""
+    if isinstance(value, (bool, np.bool_)) or (
+        isinstance(value, torch.Tensor) and value.dtype == torch.bool
+    ):
         raise ValueError(f"banded_attention: {name} must be an int, got a bool")
-    values = [window] * heads if isinstance(window, int) else list(window)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"banded_attention: {name} must be an int, a sequence of per-head ints or an "
+            f"integer tensor, got {type(value).__name__} {value!r} (round a computed window "
+            "with int() first)"
+        ) from None
+
+
+def _window_list(window: Window, heads: int, name: str) -> List[int]:
+    """One non-negative window per head, from an int, a sequence, or an (H,) integer tensor
+    or numpy array."""
+    if isinstance(window, (torch.Tensor, np.ndarray)):
+        if isinstance(window, torch.Tensor):
+            integer = not (window.is_floating_point() or window.is_complex()) and (
+                window.dtype != torch.bool
+            )
+        else:
+            integer = window.dtype.kind in "iu"
+        if not integer:
+            raise ValueError(f"banded_attention: {name} must hold integers, got {window.dtype}")
+        if window.ndim > 1:
+            raise ValueError(f"banded_attention: {name} must be an int or a 1-D (heads,) tensor")
+        window = window.tolist()
+    if isinstance(window, SequenceABC) and not isinstance(window, str):
+        values = [_window_value(w, name) for w in window]
+    else:
+        values = [_window_value(window, name)] * heads
     if len(values) != heads:
         raise ValueError(
             f"banded_attention: {name} gives {len(values)} per-head windows for {heads} heads"
         )
-    if any(isinstance(w, bool) or not isinstance(w, int) for w in values):
-        raise ValueError(f"banded_attention: {name} windows must be ints, got {values}")
     if any(w < 0 for w in values):
         raise ValueError(f"banded_attention: {name} windows must be >= 0, got {values}")
     return values
@@ -290,6 +489,38 @@ def draw_dropout_keep(
     return torch.rand(shape, device=device) >= dropout_p
 
 
+def nonfinite_value_reach(
+    v: torch.Tensor,
+    left: Sequence[int],
+    right: Sequence[int],
+    key_padding_mask: Optional[torch.Tensor],
+) -> Optional[torch.Tensor]:
+    """Where non-finite entries of v reach the output, or None when v is finite.
+
+    Entry (b, h, i, d) of the (B, H, T, D) bool result is True when query i may attend to a
+    key j (inside its window and the sequence, not padding) whose value v[b, h, j, d] is NaN or
+    +-inf: a sum over the allowed keys would be non-finite there. Counted with prefix sums
+    along T, so no (T, w) tensor is formed.
+    """
+    if bool(torch.isfinite(v.sum(dtype=banded_reference.compute_dtype(v.dtype)))):
+        return None
+    batch, heads, length, dim = v.shape
+    bad = ~torch.isfinite(v)
+    if key_padding_mask is not None:
+        bad = bad & ~key_padding_mask[:, None, :, None]
+    before = F.pad(bad.to(torch.int32).cumsum(2), (0, 0, 1, 0))  # bad keys before position t
+    position = torch.arange(length, device=v.device)
+    lefts = torch.tensor(list(left), device=v.device)[:, None]
+    rights = torch.tensor(list(right), device=v.device)[:, None]
+    first = (position - lefts).clamp(min=0)  # (H, T)
+    end = (position + rights).clamp(max=length - 1) + 1
+
+    def at(index):
+        return before.gather(2, index[None, :, :, None].expand(batch, heads, length, dim))
+
+    return at(end) > at(first)
+
+
 def banded_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -305,10 +536,11 @@ def banded_attention(
 
     Args:
         q, k, v: (B, H, T, D) tensors of one floating dtype (float32, float64, bfloat16, float16).
-        left, right: window sizes, an int for every head or one per head (a sequence or an (H,)
-            integer tensor). Query i of head h attends to keys i - left[h] .. i + right[h] that
-            lie in the sequence and are not padding (raw positions: a caller with left-padded
-            sentences shifts nothing, padding is removed through ``key_padding_mask``).
+        left, right: window sizes, an int for every head or one per head (a sequence, or an (H,)
+            integer tensor or numpy array). Integers of any type; floats are refused. Query i of
+            head h attends to keys i - left[h] .. i + right[h] that lie in the sequence and are
+            not padding (raw positions: a caller with left-padded sentences shifts nothing,
+            padding is removed through ``key_padding_mask``).
         key_padding_mask: optional (B, T) bool, True = padded key.
         scale: logit scale, default D ** -0.5.
         dropout_p: dropout on the attention weights (pass 0 at evaluation, as fairseq does).
@@ -316,34 +548,45 @@ def banded_attention(
 
     Returns:
         out (B, H, T, D) in q's dtype; with ``return_weights`` also weights (B, H, T, W) in q's
-        dtype, W = max(left) + max(right) + 1, column c holding key i - max(left) + c (zero
-        where that key is not allowed). A query with no allowed key gets zeros, and zero
-        gradients.
+        dtype, W = L + R + 1 with L = min(max(left), T - 1) and R = min(max(right), T - 1),
+        column c holding key i - L + c (zero where that key is not allowed). A query with no
+        allowed key gets zeros, and zero gradients. A NaN or inf in v[..., j, d] makes
+        out[..., i, d] NaN for exactly the queries i that may attend to key j.
     """
     _check_qkv(q, k, v)
     batch, heads, length, dim = q.shape
     lefts, rights = _window_list(left, heads, "left"), _window_list(right, heads, "right")
     key_padding_mask = _check_padding(key_padding_mask, q)
     dropout_p = _check_dropout(dropout_p)
-    if q.numel() == 0:  # nothing to attend (no head, no position or no feature)
-        out = torch.zeros_like(q)
-        width = max(lefts, default=0) + max(rights, default=0) + 1
-        return (out, q.new_zeros((batch, heads, length, width))) if return_weights else out
-    scale = dim**-0.5 if scale is None else float(scale)
     # Keys beyond the sequence are never allowed, so windows longer than T - 1 change nothing
-    # but the band's size: the kernels work on the clipped band.
+    # but the band's size: everything works on the clipped band.
     reach = max(length - 1, 0)
     band_left, band_right = [min(w, reach) for w in lefts], [min(w, reach) for w in rights]
-    width = max(band_left) + max(band_right) + 1
+    width = max(band_left, default=0) + max(band_right, default=0) + 1
+    if q.numel() == 0:  # nothing to attend (no head, no position or no feature)
+        out = q + k + v  # empty, but part of the graph: backward gives (empty) zero gradients
+        return (out, q.new_zeros((batch, heads, length, width))) if return_weights else out
+    scale = dim**-0.5 if scale is None else float(scale)
+    route = choose_route(q.device, q.dtype, dim, width, dropout_p)
+    nonfinite = nonfinite_value_reach(v, band_left, band_right, key_padding_mask)
+    values = v if nonfinite is None else v.masked_fill(~torch.isfinite(v), 0)
     keep = draw_dropout_keep((batch, heads, length, width), dropout_p, q.device)
-    args = (q, k, v, band_left, band_right, key_padding_mask, keep, scale, dropout_p)
-    if use_extension(q.device, dim):
-        out, _ = torch.ops.local_attn.banded_forward(*args)
-    else:
-        out, _ = _TorchBandedAttention.apply(*args)
+    args = (q, k, values, band_left, band_right, key_padding_mask, keep, scale, dropout_p)
+    out = _run_route(route, args)
+    if nonfinite is not None:
+        out = out.masked_fill(nonfinite, float("nan"))
     if not return_weights:
         return out
     weights, _ = banded_reference.band_probs(q, k, band_left, band_right, key_padding_mask, scale)
-    # Back to the band of the windows as given (columns past the sequence are zero).
-    clipped = (max(lefts) - max(band_left), max(rights) - max(band_right))
-    return out, F.pad(weights, clipped).to(q.dtype)
+    return out, weights.to(q.dtype)
+
+
+def _run_route(route: str, args) -> torch.Tensor:
+    if route == "extension":
+        return torch.ops.local_attn.banded_forward(*args)[0]
+    if route == "tensor-core":
+        return torch.ops.local_attn.banded_forward_tensor_core(*args)[0]
+    if route == "sdpa":
+        q, k, v, left, right, key_padding_mask, _, scale, _ = args
+        return blocked_sdpa_output(q, k, v, left, right, key_padding_mask, scale)
+    return _TorchBandedAttention.apply(*args)[0]

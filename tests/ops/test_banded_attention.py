@@ -7,6 +7,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from local_attn_fairseq.ops import banded_attention, draw_dropout_keep, extension_info
 
-from .dense_reference import dense_attention, dense_to_band
+from .dense_reference import dense_allowed, dense_attention, dense_to_band
 
 banded_module = importlib.import_module("local_attn_fairseq.ops.banded_attention")
 
@@ -138,7 +139,7 @@ def test_extension_is_built_and_loaded():
     assert EXTENSION["loaded"], EXTENSION.get("error")
     assert EXTENSION["cpu_isa"] in {"avx512", "avx2", "baseline"}
     with implementation("auto"):
-        assert banded_module.use_extension(torch.device("cpu"))
+        assert banded_module.choose_route(torch.device("cpu")) == "extension"
 
 
 def test_importing_the_plugin_does_not_load_the_extension():
@@ -168,7 +169,8 @@ def test_missing_extension_falls_back_with_one_warning(monkeypatch):
 
 def test_unknown_implementation_is_rejected():
     q, k, v = make_qkv(1, 1, 4, 2)
-    with implementation("triton"), pytest.raises(ValueError, match="auto, extension or torch"):
+    message = "LOCAL_ATTN_BANDED_IMPL='triton'.*auto, extension, torch, sdpa, tensor-core"
+    with implementation("triton"), pytest.raises(ValueError, match=message):
         banded_attention(q, k, v, 1, 1)
 
 
@@ -206,8 +208,9 @@ def test_return_weights_in_band_layout(impl, case):
     q, k, v = make_qkv(batch, heads, length, dim)
     padding = make_padding(kind, batch, length)
     out, weights = banded_attention(q, k, v, left, right, padding, return_weights=True)
-    max_left = max(left) if isinstance(left, list) else left
-    max_right = max(right) if isinstance(right, list) else right
+    # the band of the windows clipped to T - 1: keys past the sequence have no column
+    max_left = min(max(left) if isinstance(left, list) else left, length - 1)
+    max_right = min(max(right) if isinstance(right, list) else right, length - 1)
     assert weights.shape == (batch, heads, length, max_left + max_right + 1)
     _, dense_weights = dense_attention(q, k, v, left, right, padding)
     torch.testing.assert_close(weights, dense_to_band(dense_weights, max_left, max_right))
@@ -341,6 +344,12 @@ BAD_CALLS = {
     "negative_per_head": (dict(right=[1, -2, 0]), ">= 0"),
     "per_head_length": (dict(left=torch.tensor([1, 2])), "2 per-head windows for 3 heads"),
     "float_window_tensor": (dict(left=torch.tensor([1.0, 2.0, 3.0])), "integers"),
+    "float_window": (dict(left=2.0), "left must be an int.*got float 2.0"),
+    "float_in_list": (dict(right=[1, 2.5, 0]), "right must be an int.*got float 2.5"),
+    "numpy_float_window": (dict(left=np.float64(3)), "left must be an int.*float64"),
+    "numpy_float_array": (dict(right=np.array([1.0, 2.0, 3.0])), "integers"),
+    "numpy_2d": (dict(left=np.ones((3, 1), dtype=np.int64)), "1-D"),
+    "string_window": (dict(left="3"), "left must be an int"),
     "window_2d": (dict(right=torch.ones(3, 1, dtype=torch.long)), "1-D"),
     "bool_window": (dict(left=True), "bool"),
     "mask_shape": (dict(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
@@ -355,6 +364,72 @@ def test_invalid_arguments_are_rejected(name):
     changes, message = BAD_CALLS[name]
     with pytest.raises(ValueError, match=message):
         _call(**changes)
+
+
+@pytest.mark.parametrize(
+    "window", [np.int64(2), np.array([2, 2, 2]), torch.tensor(2), (2, 2, 2), [np.int32(2)] * 3]
+)
+def test_integer_windows_of_any_type_are_accepted(window):
+    q, k, v = make_qkv(2, 3, 10, 4)
+    torch.testing.assert_close(
+        banded_attention(q, k, v, window, window), banded_attention(q, k, v, 2, 2)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases.
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0, 4), (2, 0, 5, 4), (1, 2, 5, 0)])
+def test_empty_inputs_stay_in_the_graph(impl, shape):
+    q, k, v = (torch.zeros(shape, requires_grad=True) for _ in range(3))
+    out = banded_attention(q, k, v, 3, 1)
+    assert out.shape == shape and out.requires_grad
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == shape
+
+
+def test_return_weights_clips_a_window_far_beyond_the_sequence(impl):
+    q, k, v = make_qkv(1, 2, 16, 4)
+    out, weights = banded_attention(q, k, v, 10**12, [0, 10**15], return_weights=True)
+    assert weights.shape == (1, 2, 16, 15 + 15 + 1)
+    _, dense_weights = dense_attention(q, k, v, 15, [0, 15])
+    torch.testing.assert_close(weights, dense_to_band(dense_weights, 15, 15))
+    torch.testing.assert_close(out, banded_attention(q, k, v, 15, [0, 15]))
+    empty = banded_attention(*make_qkv(1, 2, 0, 4), 10**12, 10**12, return_weights=True)[1]
+    assert empty.shape == (1, 2, 0, 1)
+
+
+def _nonfinite_rule(q, k, v, left, right, padding):
+    """The expected output: dense attention over the allowed keys with the non-finite entries
+    read as 0, and NaN wherever an allowed key holds one (its weight is positive)."""
+    bad = ~torch.isfinite(v)
+    expected, _ = dense_attention(q, k, v.masked_fill(bad, 0), left, right, padding)
+    batch, heads, length, _ = q.shape
+    allowed = dense_allowed(batch, heads, length, left, right, padding).double()
+    reached = (allowed @ bad.double()) > 0  # (B, H, T, D): an allowed key's entry is bad
+    return expected.masked_fill(reached, float("nan")), reached
+
+
+@pytest.mark.parametrize("route", IMPLS + ["sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_a_nonfinite_value_reaches_exactly_the_queries_that_see_it(route, dtype):
+    batch, heads, length, dim = 2, 2, 150, 8
+    q, k, v = (t.detach() for t in make_qkv(batch, heads, length, dim, dtype))
+    v[0, 0, 70] = float("nan")  # a whole value row
+    v[0, 1, 3, 2] = float("inf")  # one entry, near the start
+    v[1, :, 100] = float("nan")  # a padded key: reaches nothing
+    v[1, 0, 40, 5] = float("-inf")
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[1, 95:105] = True
+    left, right = [5, 30], [9, 0]
+    with implementation(route):
+        out = banded_attention(q, k, v, left, right, padding)
+    expected, reached = _nonfinite_rule(q, k, v, left, right, padding)
+    assert 0 < reached.sum() < reached.numel() // 10  # a few rows, not the whole sequence
+    assert torch.equal(torch.isnan(out), reached)
+    torch.testing.assert_close(out.double(), expected, equal_nan=True, **TOLERANCE[dtype])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,5 +613,5 @@ def test_cuda_head_dim_above_the_kernel_limit_falls_back():
     q, k, v = make_qkv(1, 2, 9, 300, torch.float32, device="cuda")
     banded_module._ExtensionState.warned.discard("cuda/300")  # the warning is given once
     with implementation("auto"), pytest.warns(RuntimeWarning, match="head dim 300"):
-        assert not banded_module.use_extension(q.device, 300)
+        assert banded_module.choose_route(q.device, q.dtype, 300) == "torch"
         assert_matches_dense(q, k, v, 2, 3)
