@@ -16,12 +16,26 @@ They are applied when the plugin is imported and are idempotent:
   torch's ``DistributedDataParallel`` even for a ``--cpu`` model, which torch rejects; on a CPU
   model the wrapper now leaves both device arguments out, so ``--cpu --distributed-world-size N
   --distributed-backend gloo`` trains with fairseq's default backend. GPU models are unchanged.
+* fairseq writes a checkpoint and then copies it in place to its other names
+  (``checkpoint_best.pt``, ``checkpoint_last.pt``): a run killed during a copy leaves a truncated
+  file. Every checkpoint file, first write and copies, now goes to a temporary name in the same
+  folder and is renamed into place (``checkpoint_files``).
+* fairseq-train resuming from an unreadable ``checkpoint_last.pt`` crashes deep in torch's
+  unpickler; it now resumes from the newest intact checkpoint of the save folder with a warning
+  naming both files, and names the problem when none is intact. A checkpoint whose parameters
+  have other shapes than the model built from the command line is refused naming them.
+* fairseq-train's ``main`` marks the run, so that the plugin's models know they are built for
+  training (and compare the command line with the checkpoint being resumed, see
+  ``models/resume_check.py``) and not for fairseq-generate or an analysis tool.
 """
 
+import os
 import sys
 import types
 
 import torch
+
+from . import checkpoint_files
 
 _TRUSTED_LOAD_MARK = "_local_attn_fairseq_trusted_load"
 
@@ -111,8 +125,107 @@ def allow_cpu_pytorch_ddp():
     distributed_fairseq_model.DistributedDataParallel = _DistributedDataParallelOnModelDevice
 
 
+class _PathManagerCopyingAtomically:
+    """Stands for fairseq's ``PathManager`` in its checkpoint module: local copies are atomic."""
+
+    def __init__(self, path_manager):
+        self._path_manager = path_manager
+
+    def copy(self, src_path, dst_path, overwrite=False):
+        if not self._path_manager.supports_rename(dst_path):  # remote storage: fairseq's copy
+            return self._path_manager.copy(src_path, dst_path, overwrite=overwrite)
+        if os.path.exists(dst_path) and not overwrite:
+            return False
+        checkpoint_files.copy_checkpoint(src_path, dst_path)
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._path_manager, name)
+
+
+_original_torch_persistent_save = None
+
+
+def _atomic_torch_persistent_save(obj, filename, async_write: bool = False):
+    from fairseq import checkpoint_utils
+
+    path_manager = checkpoint_utils.PathManager
+    if async_write or not path_manager.supports_rename(filename):
+        return _original_torch_persistent_save(obj, filename, async_write=async_write)
+    # fairseq's own writer, with its retries, into the temporary file
+    checkpoint_files.write_checkpoint(
+        lambda handle: checkpoint_utils._torch_persistent_save(obj, handle), filename
+    )
+
+
+def make_checkpoint_writes_atomic():
+    global _original_torch_persistent_save
+    from fairseq import checkpoint_utils
+
+    if not isinstance(checkpoint_utils.PathManager, _PathManagerCopyingAtomically):
+        checkpoint_utils.PathManager = _PathManagerCopyingAtomically(checkpoint_utils.PathManager)
+    if checkpoint_utils.torch_persistent_save is not _atomic_torch_persistent_save:
+        _original_torch_persistent_save = checkpoint_utils.torch_persistent_save
+        checkpoint_utils.torch_persistent_save = _atomic_torch_persistent_save
+
+
+_original_load_checkpoint = None  # fairseq's, set by the shim
+
+
+def _load_checkpoint_with_fallback(cfg, trainer, **passthrough_args):
+    """fairseq's ``load_checkpoint`` after checking the file it will read (see the module doc)."""
+    suffix = trainer.checkpoint_suffix
+    source = checkpoint_files.resume_source(cfg, suffix)
+    if source is not None:
+        if source.unreadable:
+            checkpoint_files.log_fallback(source)
+            cfg = checkpoint_files.with_restore_file(cfg, source, suffix)
+        stored = checkpoint_files.read_checkpoint(source.path).get("model") or {}
+        mismatches = checkpoint_files.parameter_shape_mismatches(trainer.get_model(), stored)
+        if mismatches:
+            listed = "; ".join(mismatches[:4]) + ("; ..." if len(mismatches) > 4 else "")
+            raise ValueError(
+                f"the model built from the command line does not fit {source.path}: "
+                f"{len(mismatches)} parameters have other shapes ({listed}). Give the "
+                "dimensions and locality options the checkpoint was trained with (tied and "
+                "pruned heads change the shapes of Wq/Wk), or train the new shape from scratch "
+                "in a new --save-dir"
+            )
+    return _original_load_checkpoint(cfg, trainer, **passthrough_args)
+
+
+def fall_back_to_intact_checkpoints():
+    global _original_load_checkpoint
+    from fairseq import checkpoint_utils
+
+    if checkpoint_utils.load_checkpoint is not _load_checkpoint_with_fallback:
+        _original_load_checkpoint = checkpoint_utils.load_checkpoint
+        checkpoint_utils.load_checkpoint = _load_checkpoint_with_fallback
+
+
+_original_train_main = None  # fairseq's, set by the shim
+
+
+def _train_main_as_marked_run(cfg, **kwargs):
+    """fairseq-train's ``main`` (a module-level function: distributed runs pickle it)."""
+    with checkpoint_files.fairseq_train_run(cfg.checkpoint):
+        return _original_train_main(cfg, **kwargs)
+
+
+def mark_fairseq_train_runs():
+    global _original_train_main
+    from fairseq_cli import train
+
+    if train.main is not _train_main_as_marked_run:
+        _original_train_main = train.main
+        train.main = _train_main_as_marked_run
+
+
 def apply():
     patch_checkpoint_loading()
+    make_checkpoint_writes_atomic()
+    fall_back_to_intact_checkpoints()
+    mark_fairseq_train_runs()
     allow_cpu_pytorch_ddp()
     provide_sox_effects()
     provide_numpy_compat()

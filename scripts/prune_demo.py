@@ -21,6 +21,8 @@ import time
 
 import demo
 
+from local_attn_fairseq.file_safety import atomic_write_text
+
 ROOT, BIN, USER_DIR = demo.ROOT, demo.BIN, demo.USER_DIR
 sys.path.insert(0, ROOT)
 
@@ -131,10 +133,9 @@ def main():
         f"Ding de-en test (1000 sentences): baseline trained {args.epochs} epochs, then "
         f"{args.finetune_epochs} epochs of fine-tuning with encoder head gates per lambda"
     )
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(f"{header}\n\n{table}\n")
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    atomic_write_text(os.path.join(out_dir, "results.md"), f"{header}\n\n{table}\n")
+    results = json.dumps({"args": vars(args), "rows": rows}, indent=2)
+    atomic_write_text(os.path.join(out_dir, "results.json"), results)
     print(f"\n{header}, {(time.time() - started) / 60:.1f} min\n\n{table}")
 
 

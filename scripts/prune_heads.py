@@ -6,15 +6,12 @@
 
 The pruned checkpoint has smaller attention matrices and no gates, needs no extra options to load,
 and translates as the gated model does at test time. Continue training it with --reset-optimizer.
+The output must differ from the input; it is written to a temporary file and renamed into place.
 """
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from local_attn_fairseq.modules.head_pruning import heads_table, prune_checkpoint  # noqa: E402
+from local_attn_fairseq.modules.head_pruning import heads_table, prune_checkpoint
 
 
 def main(argv=None):
@@ -22,7 +19,12 @@ def main(argv=None):
     parser.add_argument("checkpoint", help="checkpoint of a model trained with --head-gates")
     parser.add_argument("output", help="where to write the pruned checkpoint")
     args = parser.parse_args(argv)
-    before, after, (params_before, params_after) = prune_checkpoint(args.checkpoint, args.output)
+    try:
+        before, after, (params_before, params_after) = prune_checkpoint(
+            args.checkpoint, args.output
+        )
+    except ValueError as e:
+        parser.error(str(e))
     print(heads_table(before, after))
     print(f"model parameters: {params_before:,} -> {params_after:,} (written to {args.output})")
 

@@ -1,6 +1,9 @@
 """Each shim of local_attn_fairseq.compat, with the failure it prevents shown first."""
 
+import argparse
+import os
 import pickle
+import shutil
 import sys
 
 import numpy as np
@@ -8,7 +11,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from local_attn_fairseq import compat
+from local_attn_fairseq import checkpoint_files, compat
 
 
 def test_plain_torch_load_refuses_a_fairseq_checkpoint(trained_checkpoint):
@@ -74,3 +77,112 @@ def test_eos_token_blocks_fail_without_numpy_compat(monkeypatch):
     monkeypatch.delattr(np, "compat")
     with pytest.raises(AttributeError, match="compat"):
         _eos_blocks()
+
+
+def _write_state(path, epoch, updates):
+    history, extra = [{"num_updates": updates}], {"train_iterator": {"epoch": epoch}}
+    torch.save({"optimizer_history": history, "extra_state": extra}, path)
+
+
+def _copy_half_then_fail(src, dst, *args, **kwargs):
+    data = open(src, "rb").read()
+    with open(dst, "wb") as out:
+        out.write(data[: len(data) // 2])
+    raise OSError("killed during the copy")
+
+
+def test_fairseq_checkpoint_copy_leaves_a_truncated_file(tmp_path, monkeypatch):
+    from fairseq.file_io import PathManager
+
+    _write_state(tmp_path / "new.pt", 1, 2)
+    _write_state(tmp_path / "checkpoint_last.pt", 1, 1)
+    monkeypatch.setattr(shutil, "copyfile", _copy_half_then_fail)
+    with pytest.raises(OSError):
+        PathManager.copy(str(tmp_path / "new.pt"), str(tmp_path / "checkpoint_last.pt"), True)
+    with pytest.raises(checkpoint_files.UnreadableCheckpointError):
+        checkpoint_files.read_checkpoint(str(tmp_path / "checkpoint_last.pt"))
+
+
+def test_checkpoint_copy_is_atomic_with_the_shim(tmp_path, monkeypatch):
+    _write_state(tmp_path / "new.pt", 1, 2)
+    _write_state(tmp_path / "checkpoint_last.pt", 1, 1)
+    copy = checkpoint_utils.PathManager.copy
+    monkeypatch.setattr(shutil, "copyfile", _copy_half_then_fail)
+    with pytest.raises(OSError):
+        copy(str(tmp_path / "new.pt"), str(tmp_path / "checkpoint_last.pt"), overwrite=True)
+    last = checkpoint_files.read_checkpoint(str(tmp_path / "checkpoint_last.pt"))
+    assert checkpoint_files.training_position(last) == (1, 1)  # the old file, whole
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_last.pt", "new.pt"]  # no temporary left
+    monkeypatch.undo()
+    assert copy(str(tmp_path / "new.pt"), str(tmp_path / "checkpoint_last.pt"), overwrite=True)
+    last = checkpoint_files.read_checkpoint(str(tmp_path / "checkpoint_last.pt"))
+    assert checkpoint_files.training_position(last) == (1, 2)
+
+
+def test_checkpoint_write_is_atomic_with_the_shim(tmp_path, monkeypatch):
+    target = tmp_path / "checkpoint_best.pt"
+    _write_state(target, 1, 1)
+
+    def write_half_then_fail(obj, handle):
+        handle.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("killed during the write")
+
+    monkeypatch.setattr(checkpoint_utils, "_torch_persistent_save", write_half_then_fail)
+    with pytest.raises(OSError):
+        checkpoint_utils.torch_persistent_save({"new": 1}, str(target))
+    kept = checkpoint_files.read_checkpoint(str(target))
+    assert checkpoint_files.training_position(kept) == (1, 1)
+    assert os.listdir(tmp_path) == ["checkpoint_best.pt"]
+    monkeypatch.undo()
+    checkpoint_utils.torch_persistent_save({"new": 1}, str(target))
+    assert checkpoint_files.read_checkpoint(str(target)) == {"new": 1}
+
+
+def test_newest_intact_checkpoint_skips_unreadable_files(tmp_path):
+    _write_state(tmp_path / "checkpoint_1_5.pt", 1, 5)
+    _write_state(tmp_path / "checkpoint2.pt", 3, 9)
+    _write_state(tmp_path / "checkpoint_best.pt", 2, 7)
+    (tmp_path / "checkpoint_3_12.pt").write_bytes(b"")  # the newest, but empty
+    (tmp_path / ".checkpoint_last.pt.abc.tmp").write_bytes(b"half")  # a killed write
+    newest = checkpoint_files.newest_intact_checkpoint(str(tmp_path))
+    assert newest == str(tmp_path / "checkpoint2.pt")
+    for name in ("checkpoint2.pt", "checkpoint_best.pt", "checkpoint_1_5.pt"):
+        os.remove(tmp_path / name)
+    assert checkpoint_files.newest_intact_checkpoint(str(tmp_path)) is None
+
+
+def _checkpoint_options(save_dir, **changes):
+    options = dict(
+        save_dir=str(save_dir), restore_file="checkpoint_last.pt", finetune_from_model=None,
+        continue_once=None,
+    )  # fmt: skip
+    options.update(changes)
+    return argparse.Namespace(**options)
+
+
+def test_resume_falls_back_only_from_checkpoint_last(tmp_path):
+    _write_state(tmp_path / "checkpoint_1_5.pt", 1, 5)
+    (tmp_path / "checkpoint_last.pt").write_bytes(b"PK\x03\x04 truncated")
+    source = checkpoint_files.resume_source(_checkpoint_options(tmp_path))
+    assert source.path == str(tmp_path / "checkpoint_1_5.pt")
+    assert source.unreadable == str(tmp_path / "checkpoint_last.pt")
+    cfg = checkpoint_files.with_restore_file(_checkpoint_options(tmp_path), source)
+    assert cfg.restore_file == source.path and cfg.finetune_from_model is None
+    explicit = _checkpoint_options(tmp_path, restore_file=str(tmp_path / "checkpoint_last.pt"))
+    with pytest.raises(checkpoint_files.UnreadableCheckpointError, match="--restore-file"):
+        checkpoint_files.resume_source(explicit)
+    assert checkpoint_files.resume_source(_checkpoint_options(tmp_path / "new")) is None
+
+
+def test_fairseq_train_main_marks_the_run(monkeypatch):
+    from fairseq_cli import train
+
+    compat.apply()
+    assert train.main is compat._train_main_as_marked_run
+    assert pickle.loads(pickle.dumps(train.main)) is train.main  # distributed runs pickle it
+    monkeypatch.setattr(
+        compat, "_original_train_main", lambda cfg: checkpoint_files.current_fairseq_train_run()
+    )
+    cfg = argparse.Namespace(checkpoint=argparse.Namespace(save_dir="somewhere"))
+    assert train.main(cfg) is cfg.checkpoint
+    assert checkpoint_files.current_fairseq_train_run() is None

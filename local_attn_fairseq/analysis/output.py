@@ -6,6 +6,8 @@ import math
 import os
 from typing import Optional, Sequence
 
+from ..file_safety import atomic_write_text
+
 # Pande et al.'s colours: local blue, syntactic orange, unrelated green.
 SET_COLOURS = {
     "local": "tab:blue",
@@ -22,9 +24,7 @@ def output_path(output_dir: str, name: str) -> str:
 
 def write_json(output_dir: str, name: str, data) -> str:
     path = output_path(output_dir, name)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     return path
 
 

@@ -16,7 +16,8 @@ name            offsets          query ``i`` attends to
 ==============  ===============  ==========================================
 
 Pande's masks (``identity``, ``prev``, ``next``, ``band``) multiply the weights of a softmax over
-all keys, so the weights inside need not sum to one. ``local`` heads are local attention proper
+all keys, so the weights inside need not sum to one (``ops.band_with_global_lse`` computes them
+without a T x T matrix: the renormalised band times the softmax's mass inside it). ``local`` heads are local attention proper
 (Alastruey et al.): the softmax runs over the window's keys only, and the banded operator
 computes them without any T x T matrix.
 

@@ -18,10 +18,10 @@ Layers a spec does not name have global heads with their own Wq/Wk, i.e. the pla
 
 Layer-wide mechanisms sit beside the attention types::
 
-    localness: {window: query, layers: {encoder_self: 0-2}}   # Yang et al. 2018
+    localness: {window: query, centre: paper, layers: {encoder_self: 0-2}}   # Yang et al. 2018
     relative_positions: {max_distance: 16, values: false, attention: [encoder_self]}  # Shaw
     dynamic_window: {segment_size: 5, layers: {encoder_self: "aw:0-2"}}  # Nguyen et al. 2020
-    head_gates: {attention: [encoder_self], temperature: 0.667}    # Voita et al. 2019
+    head_gates: {attention: [encoder_self], temperature: 0.667, init: constant}  # Voita et al.
 
 and ``heads_kept`` says which heads a pruned model still has, per attention type and layer
 (a list over layers; each entry the kept heads' indices, or a count n for heads 0..n-1)::
@@ -40,16 +40,26 @@ from typing import Dict, Mapping, Optional, Tuple
 import yaml
 
 from .fixed_masks import MaskBounds, parse_mask
-from .gaussian import WINDOW_STRATEGIES
-from .head_gates import DEFAULT_LOG_ALPHA_INIT, DEFAULT_TEMPERATURE
+from .gaussian import CENTRE_CONVENTIONS, DEFAULT_CENTRE_CONVENTION, WINDOW_STRATEGIES
+from .head_gates import DEFAULT_GATE_INIT, DEFAULT_LOG_ALPHA_INIT, DEFAULT_TEMPERATURE, GATE_INITS
 
 ATTENTION_TYPES = ("encoder_self", "decoder_self", "decoder_cross")
 SELF_ATTENTION_TYPES = ("encoder_self", "decoder_self")
 _META_KEYS = ("name", "description")
 WINDOW_METHODS = ("mw", "aw")
 DEFAULT_SEGMENT_SIZE = 5  # Nguyen et al.'s b
+# The widest mask window or segment a spec may give: window arithmetic stays far inside the
+# banded operator's and torch's integer range, and any real sequence is shorter.
+MAX_WINDOW = 2**31 - 1
 # layers: {attention type: layer selector} whose every head gets the Gaussian bias
-LOCALNESS_DEFAULTS = {"window": "query", "fixed_window": 10.0, "max_window": 50.0, "layers": {}}
+# centre: Yang et al.'s Eqs. 6-9 ("paper") or their released code's (I - 1) sigmoid ("code")
+LOCALNESS_DEFAULTS = {
+    "window": "query",
+    "fixed_window": 10.0,
+    "max_window": 50.0,
+    "centre": DEFAULT_CENTRE_CONVENTION,
+    "layers": {},
+}
 RELATIVE_POSITION_DEFAULTS = {
     "max_distance": None,
     "values": False,
@@ -62,6 +72,7 @@ HEAD_GATE_DEFAULTS = {
     "attention": [],
     "temperature": DEFAULT_TEMPERATURE,
     "log_alpha_init": DEFAULT_LOG_ALPHA_INIT,
+    "init": DEFAULT_GATE_INIT,  # constant (log_alpha_init) or glorot (Voita et al.'s code)
 }
 # Short names accepted by --head-gates.
 ATTENTION_TYPE_ALIASES = {"enc": "encoder_self", "dec": "decoder_self", "cross": "decoder_cross"}
@@ -124,6 +135,8 @@ def parse_window(token: str, segment_size: int = DEFAULT_SEGMENT_SIZE):
     size = segment[len("seg") :]
     if size and (not size.isdigit() or int(size) < 1):
         raise LocalitySpecError(f"{token!r}: the segment size must be a positive integer")
+    if size and int(size) > MAX_WINDOW:
+        raise LocalitySpecError(f"{token!r}: the segment size must be at most {MAX_WINDOW}")
     return method, int(size) if size else segment_size
 
 
@@ -152,7 +165,7 @@ def load_spec_config(value) -> dict:
     if os.path.isfile(value):
         return _read_yaml(value)
     try:
-        data = yaml.safe_load(value)
+        data = yaml.load(value, Loader=_UniqueKeyLoader)
     except yaml.YAMLError:
         data = None
     if not isinstance(data, dict):
@@ -163,12 +176,34 @@ def load_spec_config(value) -> dict:
     return data
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing a key given twice in one mapping (PyYAML would keep the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first_line:
+                    raise LocalitySpecError(
+                        f"duplicate key {key!r} on line {line} (first given on line "
+                        f"{first_line[key]}); a mapping takes each key once: merge the entries"
+                    )
+                first_line[key] = line
+            except TypeError:  # an unhashable key: SafeLoader reports it below
+                continue
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path):
     with open(path, encoding="utf-8") as f:
         try:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as e:
             raise LocalitySpecError(f"locality config {path}: not valid YAML ({e})") from e
+        except LocalitySpecError as e:
+            raise LocalitySpecError(f"locality config {path}: {e}") from None
     if not isinstance(data, dict):
         raise LocalitySpecError(f"locality config {path}: expected a mapping at the top level")
     return data
@@ -230,9 +265,16 @@ def _parse_head(token, layer, where, segment_size=DEFAULT_SEGMENT_SIZE):
     mask = masks[0] if masks else "global"
     window, segment = windows[0] if windows else (None, None)
     try:
-        parse_mask(mask)
+        bounds = parse_mask(mask)
     except ValueError as e:
         raise LocalitySpecError(f"{where}: {e}") from None
+    widest = max((abs(b) for b in (bounds.lo, bounds.hi) if b is not None), default=0)
+    if widest > MAX_WINDOW:
+        raise LocalitySpecError(
+            f"{where}: mask {mask!r} has a window of {widest}; windows are at most {MAX_WINDOW} "
+            "(a window longer than every sentence covers it all: use global, or the longest "
+            "sentence's length)"
+        )
     head = HeadSpec(mask, None, gaussian, window, segment)
     if not owner:
         return head
@@ -275,6 +317,11 @@ class LocalitySpec:
             raise LocalitySpecError(
                 f"localness: unknown window strategy {self.localness['window']!r}; expected "
                 f"one of {', '.join(WINDOW_STRATEGIES)}"
+            )
+        if self.localness["centre"] not in CENTRE_CONVENTIONS:
+            raise LocalitySpecError(
+                f"localness: unknown centre convention {self.localness['centre']!r}; expected "
+                f"one of {', '.join(CENTRE_CONVENTIONS)}"
             )
         for key in ("fixed_window", "max_window"):
             value = self.localness[key]
@@ -399,6 +446,10 @@ class LocalitySpec:
             raise LocalitySpecError(f"head_gates: temperature must be positive, got {temperature}")
         if not isinstance(gates["log_alpha_init"], (int, float)):
             raise LocalitySpecError("head_gates: log_alpha_init must be a number")
+        if gates["init"] not in GATE_INITS:
+            raise LocalitySpecError(
+                f"head_gates: unknown init {gates['init']!r}; expected {' or '.join(GATE_INITS)}"
+            )
 
     def _parse_heads_kept(self, kept_cfg):
         if not isinstance(kept_cfg, Mapping):

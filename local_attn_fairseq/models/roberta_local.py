@@ -27,6 +27,8 @@ from .locality_options import (
     default_dynamic_window,
     locality_spec_for_attention,
 )
+from .precision_check import check_training_precision
+from .resume_check import use_stored_options_on_resume
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class LocalRobertaModel(HeadGateQueries, RobertaModel):
 
     @classmethod
     def build_model(cls, args, task):
+        check_training_precision(args)
+        use_stored_options_on_resume(cls, args)
         roberta_base_architecture(args)
         spec = encoder_locality_spec(args)
         args.locality_config = spec.to_json()

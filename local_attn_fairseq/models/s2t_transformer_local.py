@@ -39,6 +39,8 @@ from torch import nn
 
 from ..locality.spec import LocalitySpec
 from ..modules.transformer_layers import LocalTransformerEncoderLayer, local_attention
+from .precision_check import check_training_precision
+from .resume_check import use_stored_options_on_resume
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +141,8 @@ class S2TTransformerLocalModel(S2TTransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        check_training_precision(args)
+        use_stored_options_on_resume(cls, args)
         check_local_options(args)
         model = super().build_model(args, task)
         windows = ",".join(map(str, model.encoder.attention_windows))

@@ -30,6 +30,8 @@ from .locality_options import (
     first_layers,
     locality_spec_for_attention,
 )
+from .precision_check import check_training_precision
+from .resume_check import use_stored_options_on_resume
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class LocalTransformerLanguageModel(HeadGateQueries, TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
+        check_training_precision(args)
+        use_stored_options_on_resume(cls, args)
         base_lm_architecture(args)
         _reject_unsupported_inputs(args)
         spec = lm_locality_spec(args)

@@ -22,6 +22,8 @@ from .locality_options import (
     first_layers,
     locality_spec_for_attention,
 )
+from .precision_check import check_training_precision
+from .resume_check import use_stored_options_on_resume
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ class LocalTransformerModel(HeadGateQueries, TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        check_training_precision(args)
+        use_stored_options_on_resume(cls, args)
         base_architecture(args)
         spec = locality_spec_from_cfg(args)
         args.locality_config = spec.to_json()

@@ -15,6 +15,7 @@ from typing import Dict, List, Tuple
 import torch
 from fairseq import checkpoint_utils, tasks
 
+from ..file_safety import atomic_output, refuse_same_file
 from ..locality.spec import ATTENTION_TYPES
 from .local_multihead_attention import LocalMultiheadAttention
 
@@ -108,7 +109,10 @@ def pruned_config(model_cfg, kept: Dict[str, List[List[int]]]):
 
 def prune_checkpoint(checkpoint_in: str, checkpoint_out: str) -> Tuple[dict, dict, Tuple[int, int]]:
     """Write the pruned checkpoint; returns {type: kept heads per layer} before and after, and
-    the number of model parameters before and after."""
+    the number of model parameters before and after. The output never replaces the input, and
+    is written to a temporary file renamed into place, so an interrupted write leaves no
+    truncated checkpoint."""
+    refuse_same_file(checkpoint_in, checkpoint_out)
     state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint_in)
     cfg = state["cfg"]
     task = tasks.setup_task(cfg.task)
@@ -134,7 +138,8 @@ def prune_checkpoint(checkpoint_in: str, checkpoint_out: str) -> Tuple[dict, dic
     state["cfg"].model = new_cfg
     # The optimizer's state has the old shapes; continue training with --reset-optimizer.
     state["last_optimizer_state"] = None
-    torch.save(state, checkpoint_out)
+    with atomic_output(checkpoint_out) as temporary:
+        torch.save(state, temporary)
     sizes = tuple(sum(p.numel() for p in m.parameters()) for m in (gated, pruned))
     return before, kept, sizes
 

@@ -22,7 +22,12 @@ head specs and ties keep the unpruned numbering.
 Heads that share Wq/Wk within a layer compute their logits and softmax once; the distinct
 Q/K "groups" are expanded to heads just before the per-head masks. A layer with only global,
 untied heads takes PyTorch's fused ``scaled_dot_product_attention`` path, so the plain
-Transformer costs what fairseq's own ``MultiheadAttention`` costs.
+Transformer costs what fairseq's own ``MultiheadAttention`` costs. Layers whose per-head
+mechanisms are only fixed masks and windows need no T x T matrix either when a whole sequence
+attends to itself and nobody asks for the weights: a layer of local heads is one call of the
+banded operator; in a layer with Pande's band heads, each kind of head takes its own path (band
+heads: the band of the full softmax, ``ops.band_with_global_lse``; local heads: the banded
+operator; global heads: the fused path), with the same outputs as steps 1-7 above.
 
 The call signature, incremental state and returned weights follow
 ``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
@@ -43,10 +48,12 @@ from torch import Tensor, nn
 from ..locality.dynamic_window import DynamicWindow
 from ..locality.fixed_masks import MaskBounds, offset_mask
 from ..locality.gaussian import GaussianLocalness
-from ..locality.head_gates import HardConcreteGates
+from ..locality.head_gates import DEFAULT_GATE_INIT, HardConcreteGates
 from ..locality.masked_softmax import safe_softmax
 from ..locality.relative_position import RelativePositions
 from ..locality.spec import LOCALNESS_DEFAULTS, HeadSpec
+from ..ops.band_with_global_lse import all_keys_logsumexp, band_of_full_softmax
+from ..ops.banded_attention import banded_attention
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
@@ -110,6 +117,10 @@ class LocalMultiheadAttention(nn.Module):
         self.window_bounds = [b if b.renormalised else everything for b in bounds]
         self.has_local_heads = any(b.renormalised for b in bounds)
         self.all_heads_local = bool(bounds) and all(b.renormalised for b in bounds)
+        # Heads by kind, for layers computed kind by kind without a T x T matrix.
+        self.band_heads = [h for h, b in enumerate(self.mask_bounds) if not b.is_global]
+        self.local_heads = [h for h, b in enumerate(bounds) if b.renormalised]
+        self.global_heads = [h for h, b in enumerate(bounds) if b.is_global]
 
         def source(h):
             return all_specs[h].qk_owner or (layer_index, h)
@@ -131,6 +142,9 @@ class LocalMultiheadAttention(nn.Module):
         self.register_buffer("head_to_group", torch.tensor(head_to_group), persistent=False)
         # a pruned Gaussian layer computes the Q/K of every head, more groups than kept heads
         self.groups_are_heads = head_to_group == list(range(self.num_qk_groups))
+        # Q/K groups of the band heads: their log-sum-exp over all keys is computed once a group
+        self.band_groups = sorted({head_to_group[h] for h in self.band_heads})
+        self.band_head_group = [self.band_groups.index(head_to_group[h]) for h in self.band_heads]
         self.uses_own_qk_only = self.qk_sources == [(layer_index, h) for h in self.owned_heads]
 
         qk_out = len(self.owned_heads) * self.head_dim
@@ -143,7 +157,12 @@ class LocalMultiheadAttention(nn.Module):
             warnings.filterwarnings("ignore", "Initializing zero-element tensors")
             self.out_proj = nn.Linear(inner_dim, embed_dim, bias=bias)
         self.head_gates = (
-            HardConcreteGates(self.num_heads, gates["temperature"], gates["log_alpha_init"])
+            HardConcreteGates(
+                self.num_heads,
+                gates["temperature"],
+                gates["log_alpha_init"],
+                init=gates.get("init", DEFAULT_GATE_INIT),
+            )
             if gates is not None and self.num_heads
             else None
         )
@@ -160,6 +179,7 @@ class LocalMultiheadAttention(nn.Module):
                 settings["window"],
                 settings["fixed_window"],
                 settings["max_window"],
+                centre=settings["centre"],
             )
             self.register_buffer(
                 "gaussian_head_index", torch.tensor(self.gaussian_heads), persistent=False
@@ -323,6 +343,9 @@ class LocalMultiheadAttention(nn.Module):
         if self._can_use_banded(need_weights, before_softmax, tgt_len, src_len, attn_mask):
             out = self._banded_attention(q, k, v, key_padding_mask)
             return self._merge_heads(out, tgt_len, bsz), None
+        if self._can_use_band_lse(need_weights, before_softmax, tgt_len, src_len, attn_mask):
+            out = self._attention_by_head_kind(q, k, v, key_padding_mask, attn_mask)
+            return self._merge_heads(out, tgt_len, bsz), None
 
         scaled_q = q * self.scaling
         logits = torch.matmul(scaled_q, k.transpose(-1, -2))  # (bsz, groups, tgt, src)
@@ -442,37 +465,96 @@ class LocalMultiheadAttention(nn.Module):
         local_scores = local_scores * windows.index_select(1, self.aw_rows)
         return logits.index_add(1, self.aw_heads, local_scores)
 
-    # -- local heads through the banded operator ---------------------------------------------
-    def _can_use_banded(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
-        """Every head local, nothing else per head, a whole sequence attending to itself (not a
-        decoding step) and nothing asked of the T x T weights: no T x T matrix is needed."""
-        only_windows = not (
-            self.has_head_masks
-            or self.localness is not None
+    # -- local and band heads without a T x T matrix ------------------------------------------
+    def _needs_no_matrix(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
+        """Only fixed masks and windows per head, a whole sequence attending to itself (not a
+        decoding step) and nothing asked of the T x T weights."""
+        fixed_masks_only = not (
+            self.localness is not None
             or self.relative_positions is not None
             or self.dynamic_windows
         )
-        # the decoder's attn_mask is its causal mask, which the window's right side takes over
+        # the decoder's attn_mask is its causal mask, which the bands' right side takes over
         sequence = tgt_len == src_len and (attn_mask is None or self.causal)
         return (
             self.banded_kernel
-            and self.all_heads_local
-            and only_windows
+            and fixed_masks_only
             and sequence
             and self.self_attention
             and not (need_weights or before_softmax)
         )
 
-    def _banded_attention(self, q, k, v, key_padding_mask):
-        from ..ops import banded_attention
-
-        left = [-b.lo for b in self.window_bounds]
-        right = [0 if self.causal else b.hi for b in self.window_bounds]
-        q, k = self._expand_groups(q).contiguous(), self._expand_groups(k).contiguous()
-        dropout = self.dropout_module.p if self.training else 0.0
-        return banded_attention(
-            q, k, v.contiguous(), left, right, key_padding_mask, self.scaling, dropout
+    def _can_use_banded(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
+        """Every head local: the whole layer is one banded attention."""
+        return (
+            self.all_heads_local
+            and not self.has_head_masks
+            and self._needs_no_matrix(need_weights, before_softmax, tgt_len, src_len, attn_mask)
         )
+
+    def _can_use_band_lse(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
+        """Pande's band heads (with local and global heads beside them): each kind of head
+        runs on its own T x T-free path."""
+        return self.has_head_masks and self._needs_no_matrix(
+            need_weights, before_softmax, tgt_len, src_len, attn_mask
+        )
+
+    def _attention_dropout_p(self) -> float:
+        module = self.dropout_module
+        return module.p if self.training or module.apply_during_inference else 0.0
+
+    def _banded_attention(self, q, k, v, key_padding_mask, heads=None):
+        """Local heads (all, or those in ``heads``) through the banded operator."""
+        heads = list(range(self.num_heads)) if heads is None else heads
+        left = [-self.window_bounds[h].lo for h in heads]
+        right = [0 if self.causal else self.window_bounds[h].hi for h in heads]
+        q, k = self._expand_groups(q), self._expand_groups(k)
+        q, k, v = (self._select_heads(t, heads).contiguous() for t in (q, k, v))
+        return banded_attention(
+            q, k, v, left, right, key_padding_mask, self.scaling, self._attention_dropout_p()
+        )
+
+    def _band_heads_attention(self, q, k, v, key_padding_mask):
+        """Pande's band heads: the band of the full softmax, from the banded operator and the
+        log-sum-exp over all keys (computed once per Q/K group)."""
+        padding = key_padding_mask.bool() if key_padding_mask is not None else None
+        q_groups, k_groups = (self._select_heads(t, self.band_groups) for t in (q, k))
+        group_lse = all_keys_logsumexp(q_groups, k_groups, self.scaling, padding, self.causal)
+        lse = self._select_heads(group_lse, self.band_head_group)
+        q, k = self._expand_groups(q), self._expand_groups(k)
+        bands = [(self.mask_bounds[h].lo, self.mask_bounds[h].hi) for h in self.band_heads]
+        return band_of_full_softmax(
+            *(self._select_heads(t, self.band_heads) for t in (q, k, v)),
+            bands, padding, self.scaling, self._attention_dropout_p(), self.causal, lse,
+        )  # fmt: skip
+
+    def _attention_by_head_kind(self, q, k, v, key_padding_mask, attn_mask):
+        """Band heads, local heads and global heads of one layer, each on its own path."""
+        parts, order = [], []
+        if self.band_heads:
+            parts.append(self._band_heads_attention(q, k, v, key_padding_mask))
+            order += self.band_heads
+        if self.local_heads:
+            parts.append(self._banded_attention(q, k, v, key_padding_mask, self.local_heads))
+            order += self.local_heads
+        if self.global_heads:
+            heads = self.global_heads
+            q_heads, k_heads = self._expand_groups(q), self._expand_groups(k)
+            selected = (self._select_heads(t, heads) for t in (q_heads, k_heads, v))
+            parts.append(self._fused_attention(*selected, key_padding_mask, attn_mask))
+            order += heads
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if order == list(range(self.num_heads)):
+            return out
+        position = {head: i for i, head in enumerate(order)}
+        back = torch.tensor([position[h] for h in range(self.num_heads)], device=out.device)
+        return out.index_select(1, back)
+
+    @staticmethod
+    def _select_heads(x: Tensor, heads: Sequence[int]) -> Tensor:
+        if list(heads) == list(range(x.size(1))):
+            return x
+        return x.index_select(1, torch.tensor(heads, device=x.device))
 
     def _can_use_fused(self, need_weights, before_softmax):
         plain_heads = not (
@@ -493,7 +575,7 @@ class LocalMultiheadAttention(nn.Module):
             pad = pad.masked_fill(key_padding_mask.to(torch.bool), float("-inf"))[:, None, None]
             mask = pad if mask is None else mask + pad
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout_module.p if self.training else 0.0
+            q, k, v, attn_mask=mask, dropout_p=self._attention_dropout_p()
         )
         if mask is not None:
             # Queries whose keys are all masked: zeros, as in the explicit path.

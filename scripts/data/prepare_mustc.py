@@ -37,6 +37,9 @@ from multiprocessing import Pool
 
 import numpy as np
 
+from local_attn_fairseq.file_safety import atomic_output, atomic_write_text, claim_output_dir
+
+TOOL = "prepare_mustc"
 KNOWN_SPLITS = ("train", "dev", "tst-COMMON", "tst-HE")
 TASKS = ("asr", "st")
 MANIFEST_COLUMNS = ("id", "audio", "n_frames", "tgt_text", "speaker")
@@ -328,10 +331,9 @@ def tsv_field(text):
 
 
 def write_manifest(path, rows):
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\t".join(MANIFEST_COLUMNS) + "\n")
-        for row in rows:
-            f.write("\t".join(tsv_field(row[c]) for c in MANIFEST_COLUMNS) + "\n")
+    lines = ["\t".join(MANIFEST_COLUMNS)]
+    lines += ["\t".join(tsv_field(row[c]) for c in MANIFEST_COLUMNS) for row in rows]
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
 def train_vocabulary(texts, prefix, vocab_type, vocab_size):
@@ -358,9 +360,8 @@ def train_vocabulary(texts, prefix, vocab_type, vocab_size):
                 f"failed (--vocab-type {vocab_type} --vocab-size {vocab_size}): {e}"
             ) from None
     model = spm.SentencePieceProcessor(model_file=prefix + ".model")
-    with open(prefix + ".txt", "w", encoding="utf-8") as f:
-        for i in range(len(SPECIAL_IDS), model.get_piece_size()):
-            f.write(f"{model.id_to_piece(i)} 1\n")
+    pieces = range(len(SPECIAL_IDS), model.get_piece_size())
+    atomic_write_text(prefix + ".txt", "".join(f"{model.id_to_piece(i)} 1\n" for i in pieces))
     return model.get_piece_size()
 
 
@@ -425,14 +426,51 @@ def talk_jobs(segments, args, split, want_features):
     ]
 
 
+def zip_name(args):
+    return "fbank80.zip" if args.audio_format == "fbank" else "wav16k.zip"
+
+
+def spm_prefix(out_dir, args, task):
+    size_name = "" if args.vocab_type == "char" else str(args.vocab_size)
+    return os.path.join(out_dir, f"spm_{args.vocab_type}{size_name}_{task}")
+
+
+def output_names(args, splits):
+    """The files ``prepare`` writes into the output folder."""
+    names = [zip_name(args)] + (["gcmvn.npz"] if args.cmvn == "global" else [])
+    for task in args.tasks:
+        names += [f"{split}_{task}.tsv" for split in splits] + [f"config_{task}.yaml"]
+        prefix = os.path.basename(spm_prefix("", args, task))
+        names += [f"{prefix}.{ext}" for ext in ("model", "vocab", "txt")]
+    return names
+
+
+def claim_out_dir(out_dir, names, overwrite):
+    """Write into `out_dir` only where no file of another's would be replaced: a folder this
+    script prepared before, or one (MuST-C's en-LANG, by default) holding none of `names`."""
+    try:
+        claim_output_dir(out_dir, TOOL)
+        return
+    except FileExistsError:
+        pass
+    taken = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
+    if taken and not overwrite:
+        raise PreparationError(
+            f"{out_dir} already holds {', '.join(taken)}, not written by {TOOL}.py; pass "
+            "--overwrite to replace them, or choose another --out-dir"
+        )
+    claim_output_dir(out_dir, TOOL, overwrite=True)
+
+
 def extract_audio(split_segments, args, out_dir, pool):
     """Features or audio of every segment into one stored zip; {split: {id: (audio, n)}}, drops."""
-    zip_name = "fbank80.zip" if args.audio_format == "fbank" else "wav16k.zip"
-    zip_path = os.path.join(out_dir, zip_name)
+    zip_path = os.path.join(out_dir, zip_name(args))
     extension = ".npy" if args.audio_format == "fbank" else ".wav"
     cmvn = GlobalCmvn(args.gcmvn_max_num) if args.cmvn == "global" else None
     kept, drops, direct = {}, [], {}
-    with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_STORED) as archive:
+    with atomic_output(zip_path) as partial, zipfile.ZipFile(
+        partial, "w", zipfile.ZIP_STORED
+    ) as archive:
         for split, segments in split_segments.items():
             where = {s.id: s.where for s in segments}
             want_features = args.audio_format == "fbank" or (cmvn is not None and split == "train")
@@ -514,7 +552,7 @@ def prepare(args):
     if "train" not in splits:
         raise PreparationError(f"{lang_dir}/data/train: not found (vocabularies are trained on it)")
     out_dir = os.path.abspath(args.out_dir or lang_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    claim_out_dir(out_dir, output_names(args, splits), args.overwrite)
 
     split_segments = {split: load_split(args.mustc_root, args.lang, split) for split in splits}
     with Pool(args.workers) as pool:
@@ -535,8 +573,7 @@ def prepare(args):
         write_manifest(os.path.join(out_dir, f"{split}_{task}.tsv"), rows)
 
     for task in args.tasks:
-        size_name = "" if args.vocab_type == "char" else str(args.vocab_size)
-        prefix = os.path.join(out_dir, f"spm_{args.vocab_type}{size_name}_{task}")
+        prefix = spm_prefix(out_dir, args, task)
         texts = [row["tgt_text"] for row in manifests[task, "train"]]
         size = train_vocabulary(texts, prefix, args.vocab_type, args.vocab_size)
         config = data_config(prefix, args.cmvn, args.specaugment, args.waveform_input)
@@ -550,8 +587,7 @@ def prepare(args):
 def write_yaml(path, config):
     import yaml
 
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(config, f, sort_keys=False)
+    atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))
 
 
 def build_parser():
@@ -591,6 +627,11 @@ def build_parser():
     )
     parser.add_argument("--workers", type=int, default=2, help="parallel audio processes")
     parser.add_argument("--strict", action="store_true", help="fail when any segment is dropped")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace output files of the same names in an --out-dir this script did not write",
+    )
     return parser
 
 

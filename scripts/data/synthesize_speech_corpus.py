@@ -15,6 +15,11 @@ the corpus is the same for a given seed whatever the number of workers. Audio is
 aligned with the lines of ``<split>.en`` and ``<split>.de``. With ``--utterances-per-talk K`` a
 talk wav holds K utterances separated by pauses, and the segments carry their offsets, as real
 MuST-C talks do.
+
+The script never removes what it did not write: ``--out-dir`` must be empty, new, or an earlier
+output of this script (whose split folders it then replaces); ``--overwrite`` lets it write into
+another folder, e.g. a MuST-C root holding other language pairs, but a split folder it did not
+create is still refused, never replaced.
 """
 
 import argparse
@@ -31,6 +36,14 @@ import soundfile as sf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prepare_ding  # noqa: E402
+
+from local_attn_fairseq.file_safety import (  # noqa: E402
+    atomic_write_text,
+    claim_output_dir,
+    replace_own_dir,
+)
+
+TOOL = "synthesize_speech_corpus"
 
 SAMPLE_RATE = 16_000
 # MuST-C split name -> the prepare_ding split its sentences come from.
@@ -113,16 +126,26 @@ def yaml_line(segment):
 
 def write_split(split_dir, split, pairs, segments):
     txt = os.path.join(split_dir, "txt")
-    with open(os.path.join(txt, f"{split}.yaml"), "w", encoding="utf-8") as f:
-        f.writelines(yaml_line(s) for s in segments)
+    atomic_write_text(os.path.join(txt, f"{split}.yaml"), "".join(map(yaml_line, segments)))
     for lang, side in (("de", 0), ("en", 1)):
-        with open(os.path.join(txt, f"{split}.{lang}"), "w", encoding="utf-8") as f:
-            f.writelines(pair[side] + "\n" for pair in pairs)
+        lines = "".join(pair[side] + "\n" for pair in pairs)
+        atomic_write_text(os.path.join(txt, f"{split}.{lang}"), lines)
+
+
+def claim_split_dir(split_dir):
+    """Refuse a non-empty split folder that this script did not write (even with --overwrite)."""
+    try:
+        claim_output_dir(split_dir, TOOL)
+    except FileExistsError:
+        sys.exit(
+            f"error: {split_dir} exists and was not written by {TOOL}.py; it is never replaced "
+            "or written into: choose another --out-dir"
+        )
 
 
 def synthesize_split(out_root, split, pairs, first_talk_id, utterances_per_talk, seed, pool):
     split_dir = os.path.join(out_root, "en-de", "data", split)
-    shutil.rmtree(split_dir, ignore_errors=True)
+    replace_own_dir(split_dir, TOOL)  # claim_split_dir has refused any folder not ours
     os.makedirs(os.path.join(split_dir, "wav"))
     os.makedirs(os.path.join(split_dir, "txt"))
     jobs = []
@@ -203,6 +226,12 @@ def main(argv=None):
         default=0,
         help="keep only pairs whose English side has at most this many words (0: all)",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out-dir this script did not create (it still deletes "
+        "nothing there and refuses split folders it did not write)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2, help="parallel synthesis processes")
     parser.add_argument("--source", default=prepare_ding.DEFAULT_SOURCE, help="Ding dictionary")
@@ -220,6 +249,14 @@ def main(argv=None):
         sys.exit("error: espeak-ng not found; install it with 'apt-get install espeak-ng'")
 
     pairs = load_pairs(args, sizes)
+    try:
+        claim_output_dir(args.out_dir, TOOL, args.overwrite)
+    except FileExistsError as e:
+        sys.exit(f"error: --out-dir {e}")
+    for split in SPLITS:  # refuse a foreign split folder before any synthesis starts
+        split_dir = os.path.join(args.out_dir, "en-de", "data", split)
+        if os.path.exists(split_dir):
+            claim_split_dir(split_dir)
     next_talk_id = 1
     with Pool(args.workers) as pool:
         for split in SPLITS:

@@ -7,13 +7,16 @@ fairseq's own ``scripts/average_checkpoints.py`` is not part of its installed pa
 is the recipes' version: checkpoints saved with ``--save-interval-updates`` are ordered by update
 number (else the per-epoch ones by epoch), the last N are averaged element-wise in float64,
 and the result is written with the other fields (configuration, optimizer history) of the
-newest one, so fairseq-generate and fairseq-eval-lm load it like any checkpoint.
+newest one, so fairseq-generate and fairseq-eval-lm load it like any checkpoint. The output
+must not be one of the averaged checkpoints; it is written to a temporary file renamed into place.
 """
 
 import argparse
 import os
 import re
 import sys
+
+from local_attn_fairseq.file_safety import atomic_output, refuse_same_file
 
 _BY_UPDATE = re.compile(r"^checkpoint_\d+_(\d+)\.pt$")
 _BY_EPOCH = re.compile(r"^checkpoint(\d+)\.pt$")
@@ -38,6 +41,8 @@ def average_checkpoints(paths, output):
     """Write the element-wise mean of the ``model`` weights of ``paths`` to ``output``."""
     import torch
 
+    for path in paths:
+        refuse_same_file(path, output)
     total, newest = None, None
     for path in paths:
         state = torch.load(path, map_location="cpu", weights_only=False)
@@ -59,9 +64,8 @@ def average_checkpoints(paths, output):
             for k, v in total.items()
         },
     )
-    tmp = output + ".tmp"
-    torch.save(newest, tmp)
-    os.replace(tmp, output)
+    with atomic_output(output) as temporary:
+        torch.save(newest, temporary)
     return output
 
 
@@ -87,7 +91,10 @@ def main(argv=None):
         paths = last_checkpoints(args.save_dir, args.last)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
-    average_checkpoints(paths, args.output)
+    try:
+        average_checkpoints(paths, args.output)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     print(f"| averaged {len(paths)} checkpoints ({', '.join(map(os.path.basename, paths))})")
 
 

@@ -7,6 +7,7 @@ they are, and nothing is downloaded.
 
 import glob
 import gzip
+import hashlib
 import os
 import random
 import re
@@ -18,6 +19,9 @@ import zipfile
 from recipe_config import RecipeError
 
 SPLITS = ("train", "valid", "test")
+# Checksum fields a download may carry, checked after downloading (hashlib names).
+CHECKSUMS = ("sha256", "md5")
+DOWNLOAD_KEYS = ("url", "file", "manual", "directory", *CHECKSUMS)
 _SEGMENT = re.compile(r"<seg[^>]*>(.*)</seg>", re.IGNORECASE)
 
 
@@ -86,6 +90,13 @@ def _count_lines(path):
 
 def fetch_all(downloads, raw_dir, download_dir):
     """{download name: unpacked directory}; every missing hand-made download reported at once."""
+    for name, download in downloads.items():
+        unknown = sorted(set(download) - set(DOWNLOAD_KEYS))
+        if unknown:
+            raise RecipeError(
+                f"download {name!r} in datasets.yaml has unknown keys {', '.join(unknown)} "
+                f"(known: {', '.join(DOWNLOAD_KEYS)})"
+            )
     missing = [
         f"  {d.get('file') or d.get('directory')}: {d['manual']}"
         for d in downloads.values()
@@ -122,8 +133,30 @@ def _fetch(name, download, raw_dir, download_dir):
                 raise RecipeError(
                     f"cannot download {download['url']} ({e}); fetch it by hand into --raw-dir"
                 ) from None
+            check_checksums(partial, download)
             os.replace(partial, archive)
     return _unpack(archive, os.path.join(download_dir, name))
+
+
+def check_checksums(path, download):
+    """Compare ``path`` with the download's recorded checksums; a mismatch removes ``path`` (the
+    partial download, never renamed into place) and raises."""
+    for algorithm in CHECKSUMS:
+        expected = download.get(algorithm)
+        if not expected:
+            continue
+        digest = hashlib.new(algorithm)
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != str(expected).lower():
+            os.remove(path)
+            raise RecipeError(
+                f"{download['url']}: {algorithm} {digest.hexdigest()} differs from the "
+                f"{expected} recorded in datasets.yaml; the download is damaged or the file "
+                "changed on the server (fetch it again, or update the recorded checksum after "
+                "checking the file)"
+            )
 
 
 def _unpack(archive, target):

@@ -8,6 +8,8 @@ import re
 
 import scoring
 from recipe_config import RecipeError
+
+from local_attn_fairseq.file_safety import atomic_write_text
 from text_preparation import dataset_of, raw_path
 
 # q, k, v and output projections of the encoder's self-attention (the papers' attention
@@ -150,8 +152,7 @@ def report(run, row, subset, measured):
         "paper": row["paper"],
     }
     path = os.path.join(run.row_dir(row["name"]), "results.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
+    atomic_write_text(path, json.dumps(results, indent=2))
     print(f"\n{run.recipe['name']} | {row['name']} | {subset} (seed {run.seed})")
     print(f"{'metric':26s} {'measured':>14s} {'paper':>16s}")
     for key in sorted(set(measured) | set(row["paper"])):

@@ -24,6 +24,8 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import recipe_config as rc  # noqa: E402
 from recipe_config import RecipeError  # noqa: E402
 
+from local_attn_fairseq.file_safety import atomic_write_text, claim_output_dir  # noqa: E402
+
 USER_DIR = os.path.join(rc.ROOT, "local_attn_fairseq")
 STAGES = ("prepare", "train", "average", "evaluate", "all")
 
@@ -153,8 +155,8 @@ class RecipeRun:
 
         before, kept, _ = prune_checkpoint(self.averaged(row["name"]), pruned)
         print(heads_table(before, kept))
-        with open(os.path.join(self.row_dir(row["name"]), "heads_kept.json"), "w") as f:
-            json.dump(kept, f)
+        kept_path = os.path.join(self.row_dir(row["name"]), "heads_kept.json")
+        atomic_write_text(kept_path, json.dumps(kept))
 
     # ---- evaluate ----------------------------------------------------------------------
     def evaluate(self, row):
@@ -200,6 +202,13 @@ def list_rows(recipe):
         print(f"  {name!r:48s} {row.get('table', ''):28s} paper: {paper}{mark}")
 
 
+def claim_work_dir(work_dir, overwrite):
+    try:
+        claim_output_dir(work_dir, "run_recipe", overwrite)
+    except FileExistsError as e:
+        raise RecipeError(f"--work-dir {e}") from None
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -230,6 +239,12 @@ def build_parser():
         "removes it) or a dotted recipe key (prepare.vocab_size=8000, average.last=10)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="use a non-empty --work-dir that the recipes did not create (nothing in it is "
+        "deleted; files of the same names as the recipe's outputs are replaced)",
+    )
     return parser
 
 
@@ -251,6 +266,7 @@ def main(argv=None):
         if not args.dry_run:
             import fairseq_runner
 
+            claim_work_dir(args.work_dir, args.overwrite)
             fairseq_runner.configure_logging()
         run = RecipeRun(recipe, args.work_dir, args.raw_dir, args.gpus, args.seed, args.dry_run)
         run.run_stage(args.stage, row)

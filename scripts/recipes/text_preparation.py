@@ -5,11 +5,14 @@ is missing. The raw splits stay under ``WORK/data/raw``: the evaluate stage scor
 """
 
 import os
-import shutil
 
 import corpora
 from recipe_config import RecipeError, load_dataset
 from text_data import encode_file, has_binarised, preprocess_argv, train_sentencepiece
+
+from local_attn_fairseq.file_safety import replace_own_dir
+
+TOOL = "run_recipe"
 
 # Lines sentencepiece samples from a big corpus to learn its model (its own sampling).
 DEFAULT_SPM_SENTENCES = 10_000_000
@@ -93,13 +96,27 @@ def drop_long_pairs(paths, max_length):
 
 
 def binarise(run, langs, spm_dir, joint):
+    """fairseq-preprocess into ``bin.partial``, renamed to ``bin`` once complete, so a stopped
+    binarisation is redone from scratch and never mistaken for a finished one."""
     source, target = langs[0], (langs[1] if len(langs) > 1 else None)
     if has_binarised(run.bin, "test", source, target):
         return
+    if os.path.exists(run.bin):
+        raise RecipeError(
+            f"{run.bin} exists but holds no complete binarised data for {source}-{target}; "
+            "it is not replaced: move it away or choose another --work-dir"
+        )
     prefixes = {s: os.path.join(spm_dir, s) for s in corpora.SPLITS}
     if target is None:  # monolingual: fairseq reads {split}.bin, so the files drop the suffix
         prefixes = {s: os.path.join(spm_dir, f"{s}.{source}") for s in corpora.SPLITS}
-    if os.path.exists(run.bin):  # a binarisation that stopped half-way: fairseq would refuse
-        shutil.rmtree(run.bin)
-    argv = preprocess_argv(source, target, prefixes, run.bin, joined=joint)
+    partial = run.bin + ".partial"
+    try:
+        replace_own_dir(partial, TOOL)  # fairseq-preprocess refuses a folder with dictionaries
+    except FileExistsError:
+        raise RecipeError(
+            f"{partial} exists and was not written by the recipes; move it away or choose "
+            "another --work-dir"
+        ) from None
+    argv = preprocess_argv(source, target, prefixes, partial, joined=joint)
     run.run_tool("fairseq-preprocess", argv, os.path.join(run.data, "preprocess.log"))
+    os.replace(partial, run.bin)

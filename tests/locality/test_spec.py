@@ -3,6 +3,7 @@ import json
 import pytest
 
 from local_attn_fairseq.locality.spec import (
+    MAX_WINDOW,
     HeadSpec,
     LocalitySpec,
     LocalitySpecError,
@@ -152,3 +153,37 @@ def test_malformed_yaml_file(tmp_path):
     path.write_text("encoder_self: [unclosed\n")
     with pytest.raises(LocalitySpecError, match="not valid YAML"):
         spec(str(path))
+
+
+@pytest.mark.parametrize(
+    "mask", ["local-100000000000000000000", "band-9223372036854775808", "local-0-2147483648"]
+)
+def test_windows_beyond_the_limit_are_refused(mask):
+    with pytest.raises(LocalitySpecError, match=f"{mask}.*at most {MAX_WINDOW}"):
+        spec({"encoder_self": {"all": [mask] + ["global"] * 7}})
+
+
+def test_the_largest_window_is_accepted():
+    widest = [f"band-{MAX_WINDOW}", f"local-{MAX_WINDOW}-0"]
+    s = spec({"encoder_self": {"all": widest + ["global"] * 6}})
+    assert s.heads("encoder_self", 0)[0].bounds == (-MAX_WINDOW, MAX_WINDOW, False)
+    with pytest.raises(LocalitySpecError, match="segment size must be at most"):
+        spec({"encoder_self": {"all": [f"aw-seg{MAX_WINDOW + 1}"] + ["global"] * 7}})
+
+
+def test_duplicate_yaml_keys_are_named_with_their_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text(
+        "encoder_self:\n"
+        "  0: [band-1, global, global, global, global, global, global, global]\n"
+        "  1: [global, global, global, global, global, global, global, global]\n"
+        "  0: [band-2, global, global, global, global, global, global, global]\n"
+    )
+    first = r"twice.yaml: duplicate key 0 on line 4 \(first given on line 2\)"
+    with pytest.raises(LocalitySpecError, match=first):
+        spec(str(path))
+    path.write_text("name: a\nencoder_self: {all: [global]}\nname: b\n")
+    with pytest.raises(LocalitySpecError, match="duplicate key 'name' on line 3"):
+        spec(str(path))
+    with pytest.raises(LocalitySpecError, match="duplicate key 'encoder_self' on line 1"):
+        spec("{encoder_self: {all: [global]}, encoder_self: {0: [global]}}")

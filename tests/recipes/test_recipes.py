@@ -342,18 +342,84 @@ def test_raw_dir_with_some_split_files_missing_is_refused(tmp_path):
 
 
 def test_small_scale_study_writes_its_table(tmp_path):
-    out_md = tmp_path / "study.md"
+    work = tmp_path / "w"
     cmd = [sys.executable, os.path.join(REPO, "scripts", "small_scale_study.py")]
-    # two runs side by side: the path the committed study took
-    cmd += ["--work-dir", tmp_path / "w", "--updates", 2, "--seeds", "1,2", "--tiny", "--jobs", 2]
-    cmd += ["--models", "baseline,gates_l0", "--max-train", 200, "--vocab-size", 200]
-    cmd += ["--test-size", 4, "--out-md", out_md, "--out-json", tmp_path / "s.json"]
+    # two runs side by side on the Ding corpus, the gated model scored after pruning
+    cmd += ["--work-dir", work, "--corpus", "ding-de-en", "--max-update", 2, "--seeds", "1,2"]
+    cmd += ["--tiny", "--jobs", 2, "--models", "baseline,gates_l0", "--max-train", 200]
+    cmd += ["--vocab-size", 200, "--test-size", 4]
     proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=ONE_THREAD_ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    study = json.loads((tmp_path / "s.json").read_text())
-    assert study["seeds"] == [1, 2] and set(study["models"]) == {"baseline", "gates_l0"}
-    gated = study["models"]["gates_l0"]
+    study = json.loads((work / "small_scale_study.json").read_text())
+    (ding,) = study["corpora"]
+    assert ding["corpus"] == "ding-de-en" and set(ding["models"]) == {"baseline", "gates_l0"}
+    gated = ding["models"]["gates_l0"]
     assert len(gated["runs"]) == 2 and len(gated["encoder_heads_kept"]) == 2
-    table = out_md.read_text()
-    assert "| transformer (baseline) |" in table and "small-scale comparison" in table
-    assert "--updates 2" in table and "2 runs side by side" in table
+    table = (work / "small_scale_study.md").read_text()
+    assert "| transformer (baseline) |" in table and "2 run(s) side by side" in table
+    assert "--max-update 2" in table
+
+
+# ---- nothing of the user's is replaced; downloads are checked -------------------------------
+
+
+def test_downloads_are_checked_against_their_recorded_checksum(tmp_path):
+    import hashlib
+
+    archive = tmp_path / "corpus.txt"
+    archive.write_bytes(b"one\ntwo\n")
+    download = {"url": archive.as_uri(), "sha256": hashlib.sha256(b"one\ntwo\n").hexdigest()}
+    assert os.path.exists(corpora._fetch("c", download, None, str(tmp_path / "dl")))
+    assert (tmp_path / "dl" / "corpus.txt").read_bytes() == b"one\ntwo\n"
+
+    archive.write_bytes(b"one\ntwo, changed on the server\n")
+    with pytest.raises(rc.RecipeError, match="sha256 .* differs from the"):
+        corpora._fetch("c", download, None, str(tmp_path / "dl2"))
+    assert os.listdir(tmp_path / "dl2") == []  # neither the file nor its partial download
+    md5 = {"url": archive.as_uri(), "md5": "0" * 32}
+    with pytest.raises(rc.RecipeError, match="md5"):
+        corpora._fetch("c", md5, None, str(tmp_path / "dl3"))
+    with pytest.raises(rc.RecipeError, match="unknown keys sha265"):
+        corpora.fetch_all({"c": {"url": archive.as_uri(), "sha265": "x"}}, None, str(tmp_path))
+
+
+def test_every_recipe_url_is_https():
+    import yaml
+
+    with open(os.path.join(rc.CONFIG_DIR, "datasets.yaml"), encoding="utf-8") as f:
+        text = f.read()
+    datasets = yaml.safe_load(text)
+    urls = [d["url"] for s in datasets.values() for d in s["downloads"].values() if "url" in d]
+    assert len(urls) == 20 and all(u.startswith("https://") for u in urls)
+    assert "http://" not in text  # the pages named for manual downloads too
+
+
+def test_recipes_refuse_a_work_dir_of_someone_else(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.txt").write_text("a user's")
+    proc = cli("pande_wmt14_en_de", "--row", "1LocHead 7TiedLoc All6 (i)", "--stage", "prepare",
+               "--work-dir", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 2 and "--work-dir" in proc.stderr and "--overwrite" in proc.stderr
+    assert os.listdir(tmp_path) == ["data"] and os.listdir(tmp_path / "data") == ["mine.txt"]
+
+
+def test_averaging_refuses_to_write_over_a_checkpoint_it_reads(tmp_path):
+    torch.save({"model": {"a": torch.ones(1)}}, tmp_path / "checkpoint_1_10.pt")
+    paths = average_checkpoints.last_checkpoints(str(tmp_path), 5)
+    with pytest.raises(ValueError, match="is the input file"):
+        average_checkpoints.average_checkpoints(paths, str(tmp_path / "checkpoint_1_10.pt"))
+    assert torch.load(tmp_path / "checkpoint_1_10.pt")["model"]["a"].item() == 1.0
+
+
+def test_a_binarisation_not_written_by_the_recipes_is_not_replaced(tmp_path):
+    import text_preparation
+
+    run = run_recipe.RecipeRun(rc.load_recipe("pande_wmt14_en_de"), str(tmp_path))
+    os.makedirs(run.bin)
+    (tmp_path / "keep.txt").write_text("x")
+    with open(os.path.join(run.bin, "dict.en.txt"), "w") as f:
+        f.write("a user's dictionary")
+    with pytest.raises(rc.RecipeError, match="no complete binarised data"):
+        text_preparation.binarise(run, ["en", "de"], str(tmp_path / "spm"), joint=True)
+    with open(os.path.join(run.bin, "dict.en.txt")) as f:
+        assert f.read() == "a user's dictionary"
