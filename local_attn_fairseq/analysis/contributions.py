@@ -23,13 +23,23 @@ the main diagonal, w >= 2N - 1 the whole matrix. CCD is the area under D over w 
 (trapezoidal rule), divided by the width of that range, 2N - 1, so that it lies in (0, 1] and
 sentences of different lengths can be averaged.
 
-Window selection (Algorithm 1): walking away from the main diagonal, a window grows to 2i + 1
+Window selection (Algorithm 1): walking away from the main diagonal, the sentence's width grows
 whenever the mean of the i-th super- or sub-diagonal of C exceeds the threshold t (0.01), and the
-walk stops after ceil(N / 10) consecutive offsets below t. The main diagonal itself (about 65% of
-a row's contribution) is not tested, as it is hidden in the paper's figures: a sentence whose
-off-diagonal contributions are all below t gets window 0, which is how the paper's Table 1 has
-mean windows below 1. Over a sample of sentences, w_l = ceil(mu_l + sigma_l) (population standard
-deviation), plus one if even, and the contribution loss of that window is CL = 1 - D(w_l).
+walk stops after ceil(N / 10) consecutive offsets below t. The width recorded for the last such
+offset i follows one of two conventions:
+
+* ``2i`` (default): the width Table 1's statistics were computed from. Its means are not reachable
+  with odd widths (layer 5 of En-De: 4.03 +- 0.28, while every odd value is at least 0.97 from
+  4.03, so odd widths have a standard deviation of at least 0.97); with even widths they are
+  (mostly 4, i.e. i = 2), and w_l = ceil(4.03 + 0.28) = 5 is the paper's window. A sentence
+  with no off-diagonal above t has i = 0, width 0.
+* ``2i+1``: Algorithm 1 as printed, w = 2i + 1; the main diagonal itself (about 65% of a row)
+  is not tested, so a sentence with no off-diagonal above t gets 0, not 1. Widths come out one
+  larger wherever any offset passes, and the chosen windows often two larger (layer 5: 7).
+
+Over a sample of sentences, w_l = ceil(mu_l + sigma_l) (population standard deviation), plus one
+if even (the window is centred on the frame), and the contribution loss of that window is
+CL = 1 - D(w_l).
 """
 
 import math
@@ -44,6 +54,9 @@ DEFAULT_THRESHOLD = 0.01  # the paper's t
 # Tables 1, 3 and 4 of the paper: the layers it keeps global have CL >= 0.27, those it makes
 # local CL <= 0.24.
 DEFAULT_MAX_CONTRIBUTION_LOSS = 0.25
+# Algorithm 1's per-sentence width for the last offset i above t (see the module docstring).
+WIDTH_CONVENTIONS = ("2i", "2i+1")
+DEFAULT_WIDTH_CONVENTION = "2i"
 
 
 # -- the decomposition ------------------------------------------------------------------------
@@ -139,8 +152,18 @@ def cumulative_diagonality(curve: Tensor) -> float:
     return area / (curve.numel() - 1)
 
 
-def window_size(contributions: Tensor, threshold: float = DEFAULT_THRESHOLD) -> int:
-    """Algorithm 1 on one row-normalised contribution matrix: the window, odd, or 0."""
+def window_size(
+    contributions: Tensor,
+    threshold: float = DEFAULT_THRESHOLD,
+    convention: str = DEFAULT_WIDTH_CONVENTION,
+) -> int:
+    """Algorithm 1 on one row-normalised contribution matrix: the sentence's width, 2i or
+    2i + 1 for the last offset i above the threshold, and 0 when no offset passes."""
+    if convention not in WIDTH_CONVENTIONS:
+        raise ValueError(
+            f"unknown window width convention {convention!r}; expected "
+            f"{' or '.join(WIDTH_CONVENTIONS)}"
+        )
     n = contributions.shape[0]
     if n < 2:
         return 0
@@ -148,12 +171,14 @@ def window_size(contributions: Tensor, threshold: float = DEFAULT_THRESHOLD) -> 
     centre = n - 1
     above = (means[centre + 1 :] > threshold) | (means[:centre].flip(0) > threshold)  # i = 1..
     patience = max(1, math.ceil(n / 10))
-    window, last = 0, 0  # the main diagonal (i = 0) starts the count
+    last = 0  # the main diagonal (i = 0) starts the count
     for i in (above.nonzero().flatten() + 1).tolist():
         if i - last - 1 >= patience:
             break
-        window, last = 2 * i + 1, i
-    return window
+        last = i
+    if last == 0:
+        return 0
+    return 2 * last if convention == "2i" else 2 * last + 1
 
 
 def odd_window(windows: Sequence[int]) -> int:
@@ -290,13 +315,14 @@ def encoder_pieces(model, net_input: dict) -> List[List[SentencePieces]]:
 class LayerSample:
     """What Algorithm 1, CCD and CL need of each analysed sentence of one layer."""
 
+    width_convention: str = DEFAULT_WIDTH_CONVENTION
     windows: List[int] = field(default_factory=list)
     ccd: List[float] = field(default_factory=list)
     curves: List[Tensor] = field(default_factory=list)  # D(w), w = 1 .. 2N, per sentence
 
     def add(self, contributions: Tensor, threshold: float) -> None:
         curve = diagonality(contributions)
-        self.windows.append(window_size(contributions, threshold))
+        self.windows.append(window_size(contributions, threshold, self.width_convention))
         self.ccd.append(cumulative_diagonality(curve))
         self.curves.append(curve.float())
 

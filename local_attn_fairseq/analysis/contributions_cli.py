@@ -6,7 +6,9 @@ attention windows they suggest (Alastruey et al. 2022, Table 1 and Figures 3-4).
         [--compare-path st/checkpoint_best.pt --compare-config-yaml config_st.yaml \\
          --compare-gen-subset dev_st]
 
-Writes, in --output-dir: ``contributions.json`` (per layer: mu, sigma, w, CL, CCD; and the same
+Prints, per model, a block in the layout of the paper's Table 1 (layer, mu +- sigma of the
+per-sentence widths, w, CL; plus CCD and the window written to windows.txt). Writes, in
+--output-dir: ``contributions.json`` (per layer: mu, sigma, w, CL, CCD; and the same
 for the compared model), ``windows.txt`` (the value of ``--encoder-attention-windows`` for
 ``s2t_transformer_local``), ``contribution_matrices.png`` (one sentence, main diagonal hidden,
 the chosen windows outlined) and ``ccd.png`` (CCD per layer, both models).
@@ -48,6 +50,14 @@ def add_arguments(parser):
         help="Algorithm 1's t: least mean contribution of a sub/super-diagonal inside a window",
     )
     parser.add_argument(
+        "--window-width-convention",
+        choices=contrib.WIDTH_CONVENTIONS,
+        default=contrib.DEFAULT_WIDTH_CONVENTION,
+        help="Algorithm 1's width of a sentence whose last offset above t is i: 2i (default; "
+        "the convention under which the paper's Table 1 statistics are reachable) or 2i+1 "
+        "(the algorithm as printed; windows often come out 2 wider)",
+    )
+    parser.add_argument(
         "--max-contribution-loss",
         type=float,
         default=contrib.DEFAULT_MAX_CONTRIBUTION_LOSS,
@@ -82,6 +92,12 @@ def run(args):
     results = {**primary, "label": args.label, "encoder_attention_windows": windows}
     for layer, window in zip(results["layers"], chosen):
         layer["chosen_window"] = window
+    rule = (
+        f"the first {args.global_layers} layers (--global-layers)"
+        if args.global_layers is not None
+        else f"CL >= {args.max_contribution_loss} (--max-contribution-loss)"
+    )
+    results["global_rule"] = rule + ", or w spanning every analysed sentence whole"
     print_table(results)
     compared = None
     if args.compare_path:
@@ -154,7 +170,7 @@ def analyse(path, data, config_yaml, subset, args, device):
         batch = dataset.collater([dataset[i] for i in chunk])
         net_input = {k: v.to(device) for k, v in batch["net_input"].items() if k.startswith("src")}
         pieces = contrib.encoder_pieces(model, net_input)
-        layers = layers or [contrib.LayerSample() for _ in pieces]
+        layers = layers or [contrib.LayerSample(args.window_width_convention) for _ in pieces]
         for layer, sample, per_sentence in zip(range(len(pieces)), layers, pieces):
             for position, sentence in enumerate(per_sentence):
                 normalised = contrib.normalise_rows(contrib.contribution_matrix(sentence).cpu())
@@ -169,26 +185,36 @@ def analyse(path, data, config_yaml, subset, args, device):
         "subset": subset,
         "num_sentences": len(drawn),
         "threshold": args.threshold,
+        "width_convention": args.window_width_convention,
         "layers": [sample.summary(index + 1) for index, sample in enumerate(layers)],
         "plot": plot,
     }
 
 
 def print_table(results):
-    """Table 1's layout: layer, mu +- sigma of Algorithm 1's windows, w, CL; and CCD."""
+    """One block per model in the layout of the paper's Table 1: layer (* where attention stays
+    global), mu +- sigma of the per-sentence widths, w = ceil(mu + sigma) made odd, CL of w;
+    then CCD and the window written to windows.txt."""
     print(
         f"\n{results.get('label', '')}: {results['checkpoint']} on {results['subset']}, "
         f"{results['num_sentences']} sentences, t = {results['threshold']}"
     )
-    print(f"{'layer':>5}  {'mu +- sigma':>15}  {'w':>3}  {'CL':>12}  {'CCD':>14}  used")
+    print(
+        f"Algorithm 1 per-sentence width {results['width_convention']}; "
+        "w = ceil(mu + sigma), made odd; CL = 1 - D(w)"
+    )
+    print(f"{'Layer':<7}  {'mu +- sigma':>15}  {'w':>3}  {'CL':>12}  {'CCD':>14}  used")
     for s in results["layers"]:
         used = s.get("chosen_window")
-        used = "" if used is None else ("global *" if used == 0 else str(used))
+        star = " *" if used == 0 else ""
+        used = "" if used is None else ("global" if used == 0 else str(used))
         print(
-            f"{s['layer']:>5}  {s['window_mean']:6.2f} +- {s['window_std']:5.2f}  "
+            f"{str(s['layer']) + star:<7}  {s['window_mean']:6.2f} +- {s['window_std']:5.2f}  "
             f"{s['window']:>3}  {s['contribution_loss_mean']:.2f} +- "
             f"{s['contribution_loss_std']:.2f}  {s['ccd_mean']:.3f} +- {s['ccd_std']:.3f}  {used}"
         )
+    if "global_rule" in results:
+        print(f"(*) standard self-attention in windows.txt: {results['global_rule']}")
 
 
 def plot_matrices(plot, windows, output_dir):

@@ -3,18 +3,25 @@ the L0 relaxation of the head gates, L = L_xent + lambda L_C (Voita et al. 2019,
 
 fairseq sums the loss over the batch's tokens and divides the gradient by the sample size, so the
 penalty enters as lambda * L_C * sample_size: lambda weighs L_C against the per-token
-cross-entropy, as in the paper. The model is asked for its penalty (``head_gate_penalty``);
-the logs show L_C and the number of heads open under the test-time gates, per attention type.
+cross-entropy, as in the paper. ``--l0-penalty-scale`` says what L_C is: ``sum`` (default), the
+paper's sum over every gated head of the model; ``per-layer-mean``, that sum divided by the
+number of gated attention modules, as Voita et al.'s code computes it, so that a coefficient
+from her scripts is lambda here unchanged (under ``sum``, lambda = her coefficient / that
+number). The model is asked for its penalty (``head_gate_penalty``); the logs show the penalty
+lambda multiplies and the number of heads open under the test-time gates, per attention type.
 """
 
 from dataclasses import dataclass, field
 
 from fairseq.criterions import register_criterion
+from fairseq.dataclass import ChoiceEnum
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 from fairseq.logging import metrics
+
+from ..locality.head_gates import DEFAULT_L0_PENALTY_SCALE, L0_PENALTY_SCALES
 
 ATTENTION_TYPE_LOG_NAMES = {
     "encoder_self": "open_enc",
@@ -29,6 +36,14 @@ class LabelSmoothedCrossEntropyL0Config(LabelSmoothedCrossEntropyCriterionConfig
         default=0.01,
         metadata={"help": "weight lambda of the L0 penalty on the head gates (Voita et al.)"},
     )
+    l0_penalty_scale: ChoiceEnum(L0_PENALTY_SCALES) = field(
+        default=DEFAULT_L0_PENALTY_SCALE,
+        metadata={
+            "help": "L_C that lambda multiplies: 'sum' over every gated head (the paper), or "
+            "'per-layer-mean', the sum divided by the number of gated attention modules "
+            "(Voita et al.'s code: use her coefficient as --l0-lambda)"
+        },
+    )
 
 
 @register_criterion("label_smoothed_cross_entropy_l0", dataclass=LabelSmoothedCrossEntropyL0Config)
@@ -41,11 +56,18 @@ class LabelSmoothedCrossEntropyL0Criterion(LabelSmoothedCrossEntropyCriterion):
         ignore_prefix_size=0,
         report_accuracy=False,
         l0_lambda=0.01,
+        l0_penalty_scale=DEFAULT_L0_PENALTY_SCALE,
     ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if l0_lambda < 0:
             raise ValueError(f"--l0-lambda must be >= 0, got {l0_lambda}")
+        scale = str(l0_penalty_scale)
+        if scale not in L0_PENALTY_SCALES:
+            raise ValueError(
+                f"--l0-penalty-scale must be one of {', '.join(L0_PENALTY_SCALES)}, got {scale!r}"
+            )
         self.l0_lambda = l0_lambda
+        self.l0_penalty_scale = scale
 
     def forward(self, model, sample, reduce=True):
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
@@ -54,7 +76,7 @@ class LabelSmoothedCrossEntropyL0Criterion(LabelSmoothedCrossEntropyCriterion):
                 f"{type(model).__name__} has no head gates; label_smoothed_cross_entropy_l0 "
                 "needs a local_attn_fairseq model trained with --head-gates"
             )
-        penalty = model.head_gate_penalty()
+        penalty = model.head_gate_penalty(self.l0_penalty_scale)
         loss = loss + self.l0_lambda * penalty * sample_size
         logging_output["loss"] = loss.data
         logging_output["l0_penalty"] = penalty.data

@@ -12,6 +12,14 @@ D_i comes from one of four strategies:
 * ``query``: D_i = I * sigmoid(U_d^T tanh(W_p Q_i)) (Eq. 9, sharing W_p with the centre);
 * ``head``: D = N * sigmoid(z_h), one learned scalar per head (Eq. 11, N = ``max_window``).
 
+Where the centre and the I-scaled windows sit is one option (``centre``):
+
+* ``paper`` (default): Eqs. 6-9 as printed, P = I sigmoid(p) and D = I sigmoid(z), the window
+  kept above 1e-4. P lies in [0, I], so it can sit past the last real key (j = I - 1);
+* ``code``: Yang et al.'s released code, P = (I - 1) sigmoid(p), which never passes the last
+  real key, and D = I sigmoid(z) + 0.1 for the layer and query strategies (the fixed and head
+  windows do not depend on I and are the same under both).
+
 I is the real (unpadded) length and j counts real keys from the first real token, so left or
 right padding changes nothing. With a causal mask, query i sees I_i = i + 1 keys (and the layer
 strategy averages only those), which makes incremental decoding match the full forward pass.
@@ -25,7 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 WINDOW_STRATEGIES = ("fixed", "layer", "query", "head")
+CENTRE_CONVENTIONS = ("paper", "code")
+DEFAULT_CENTRE_CONVENTION = "paper"
 MIN_WINDOW = 1e-4  # keeps sigma > 0: a window that underflows must not give 0/0
+CODE_WINDOW_OFFSET = 0.1  # the released code's D = I sigmoid(z) + 0.1
 
 
 def real_key_positions(key_padding_mask: Optional[Tensor], bsz: int, src_len: int, device):
@@ -46,8 +57,14 @@ class GaussianLocalness(nn.Module):
         strategy: str = "query",
         fixed_window: float = 10.0,
         max_window: float = 50.0,
+        centre: str = DEFAULT_CENTRE_CONVENTION,
     ):
         super().__init__()
+        if centre not in CENTRE_CONVENTIONS:
+            raise ValueError(
+                f"unknown localness centre convention {centre!r}; expected "
+                f"{' or '.join(CENTRE_CONVENTIONS)}"
+            )
         if strategy not in WINDOW_STRATEGIES:
             raise ValueError(
                 f"unknown localness window strategy {strategy!r}; expected one of "
@@ -56,6 +73,7 @@ class GaussianLocalness(nn.Module):
         if fixed_window <= 0 or max_window <= 0:
             raise ValueError("localness windows must be positive")
         self.strategy = strategy
+        self.centre = centre
         self.num_heads = num_heads
         self.fixed_window = float(fixed_window)
         self.max_window = float(max_window)
@@ -82,13 +100,15 @@ class GaussianLocalness(nn.Module):
         else:
             seen = real.sum(-1, keepdim=True).expand(-1, tgt_len)
         length = seen.unsqueeze(1)  # I, (bsz, 1, tgt)
+        # the code convention's centre reaches the last real key, I - 1, and no further
+        span = (length - 1).clamp_min(0) if self.centre == "code" else length
         hidden = torch.tanh(self.w_p(q))
         if self.strategy == "query":
             # U_p and U_d read the same hidden state: one matmul for both scalars
             both = F.linear(hidden, torch.cat([self.u_p.weight, self.u_d.weight]))
             p, z = both.transpose(1, 2).float().split(self.num_heads, dim=1)
-            return length * torch.sigmoid(p), length * torch.sigmoid(z)
-        centre = length * torch.sigmoid(self.u_p(hidden).transpose(1, 2).float())
+            return span * torch.sigmoid(p), self._scaled_window(length, z)
+        centre = span * torch.sigmoid(self.u_p(hidden).transpose(1, 2).float())
         if self.strategy == "fixed":
             window = torch.full_like(centre, self.fixed_window)
         elif self.strategy == "head":
@@ -102,8 +122,13 @@ class GaussianLocalness(nn.Module):
                 key_sum = key_sum.sum(1, keepdim=True)
             mean_key = key_sum / seen.clamp_min(1).unsqueeze(-1).to(k.dtype)
             z = self.u_d(torch.tanh(self.w_d(mean_key))).transpose(1, 2).float()
-            window = length * torch.sigmoid(z).expand_as(centre)
+            window = self._scaled_window(length, z).expand_as(centre)
         return centre, window
+
+    def _scaled_window(self, length: Tensor, z: Tensor) -> Tensor:
+        """D = I sigmoid(z) (Eqs. 8-9), plus 0.1 under the code convention."""
+        window = length * torch.sigmoid(z)
+        return window + CODE_WINDOW_OFFSET if self.centre == "code" else window
 
     def forward(
         self,

@@ -16,6 +16,16 @@ with temperature beta (2/3 by default; Voita et al.'s own code used 0.33) and th
 The L0 relaxation is L_C = sum_h (1 - P(g_h = 0)), in closed form. At test time each gate is 0
 or 1, whichever of P(g = 0), P(g = 1) is larger (the paper's footnote 7).
 
+Two conventions of Voita et al.'s released code are one option away:
+
+* initialisation (``init``): ``constant`` starts every log_alpha at ``log_alpha_init``;
+  ``glorot`` draws it from U(-b, b), b = sqrt(6 / (fan_in + fan_out)) with fan_in = fan_out =
+  heads, as TensorFlow's glorot_uniform does for her gate variable of shape [1, heads, 1, 1]
+  (b = 0.61 for 8 heads; P(g = 0) about 0.3 at her temperature 0.33);
+* the penalty's scale (``l0_penalty(model, scale)``): ``sum`` adds L_C over every gated
+  attention module, as the paper writes it; ``per-layer-mean`` averages the modules' L_C, as her
+  code does, so that her coefficient can be used as lambda unchanged.
+
 Gates and probabilities are computed in float32 (at least) even in a half-precision model: in
 float16 and bfloat16, 1 - 1e-6 rounds to 1, so the noise could reach log(0).
 """
@@ -31,6 +41,10 @@ STRETCH = (-0.1, 1.1)
 # log_alpha = 3 starts a gate nearly surely non-zero (P(g = 0) ~ 0.01 at beta = 2/3): gates are
 # added to a converged model, which should at first keep translating as before.
 DEFAULT_LOG_ALPHA_INIT = 3.0
+GATE_INITS = ("constant", "glorot")
+DEFAULT_GATE_INIT = "constant"
+L0_PENALTY_SCALES = ("sum", "per-layer-mean")
+DEFAULT_L0_PENALTY_SCALE = "sum"
 # Uniform noise is kept away from 0 and 1 so that log u and log(1 - u) stay finite.
 _NOISE_EPS = 1e-6
 
@@ -44,17 +58,27 @@ class HardConcreteGates(nn.Module):
         temperature: float = DEFAULT_TEMPERATURE,
         log_alpha_init: float = DEFAULT_LOG_ALPHA_INIT,
         stretch: Tuple[float, float] = STRETCH,
+        init: str = DEFAULT_GATE_INIT,
     ):
         super().__init__()
         gamma, zeta = stretch
         if not temperature > 0:
             raise ValueError(f"head gate temperature must be positive, got {temperature}")
+        if init not in GATE_INITS:
+            raise ValueError(
+                f"unknown head gate initialisation {init!r}; expected {' or '.join(GATE_INITS)}"
+            )
         if not (gamma < 0 and zeta > 1):
             raise ValueError(f"head gate stretch must satisfy gamma < 0 < 1 < zeta, got {stretch}")
         self.num_heads = num_heads
         self.temperature = float(temperature)
         self.gamma, self.zeta = float(gamma), float(zeta)
+        self.init = init
         self.log_alpha = nn.Parameter(torch.full((num_heads,), float(log_alpha_init)))
+        if init == "glorot" and num_heads:
+            bound = math.sqrt(6.0 / (num_heads + num_heads))
+            with torch.no_grad():
+                self.log_alpha.uniform_(-bound, bound)
 
     def _precise_log_alpha(self) -> Tensor:
         return self.log_alpha.to(torch.promote_types(self.log_alpha.dtype, torch.float32))
@@ -87,7 +111,7 @@ class HardConcreteGates(nn.Module):
         return self.sample() if self.training else self.deterministic()
 
     def extra_repr(self):
-        return f"heads={self.num_heads}, temperature={self.temperature:.3g}"
+        return f"heads={self.num_heads}, temperature={self.temperature:.3g}, init={self.init}"
 
 
 def gated_attention_modules(model: nn.Module) -> Iterable[nn.Module]:
@@ -97,14 +121,20 @@ def gated_attention_modules(model: nn.Module) -> Iterable[nn.Module]:
             yield module
 
 
-def l0_penalty(model: nn.Module) -> Tensor:
-    """The sum of L_C over every gated attention module of the model."""
+def l0_penalty(model: nn.Module, scale: str = DEFAULT_L0_PENALTY_SCALE) -> Tensor:
+    """L_C of every gated attention module of the model, summed (``sum``) or averaged over the
+    modules (``per-layer-mean``: a layer's self- and cross-attention count as two)."""
+    if scale not in L0_PENALTY_SCALES:
+        raise ValueError(
+            f"unknown L0 penalty scale {scale!r}; expected one of {', '.join(L0_PENALTY_SCALES)}"
+        )
     terms = [m.head_gates.l0_penalty() for m in gated_attention_modules(model)]
     if not terms:
         raise ValueError(
             "the model has no head gates: train it with --head-gates (e.g. --head-gates enc)"
         )
-    return torch.stack(terms).sum()
+    total = torch.stack(terms).sum()
+    return total if scale == "sum" else total / len(terms)
 
 
 def open_heads(model: nn.Module) -> Dict[str, Dict[int, int]]:

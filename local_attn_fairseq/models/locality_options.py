@@ -4,7 +4,7 @@ head-gate queries the L0 criterion makes.
 """
 
 from ..locality import head_gates
-from ..locality.gaussian import WINDOW_STRATEGIES
+from ..locality.gaussian import CENTRE_CONVENTIONS, WINDOW_STRATEGIES
 from ..locality.spec import LocalitySpec, LocalitySpecError, load_spec_config, preset_names
 
 
@@ -51,6 +51,7 @@ def with_command_line_settings(config: dict, cfg) -> dict:
         ("localness_window", "window"),
         ("localness_fixed_window", "fixed_window"),
         ("localness_max_window", "max_window"),
+        ("localness_centre", "centre"),
     ):
         if getattr(cfg, option, None) is not None:
             localness[key] = getattr(cfg, option)
@@ -100,6 +101,8 @@ def with_command_line_settings(config: dict, cfg) -> dict:
         gates["temperature"] = cfg.head_gate_temperature
     if getattr(cfg, "head_gate_log_alpha_init", None) is not None:
         gates["log_alpha_init"] = cfg.head_gate_log_alpha_init
+    if getattr(cfg, "head_gate_init", None) is not None:
+        gates["init"] = cfg.head_gate_init
     if gates:
         config["head_gates"] = gates
     if getattr(cfg, "heads_kept", None):
@@ -154,6 +157,13 @@ def add_locality_args(parser):
         help="largest window of the 'head' strategy, D = N sigmoid(z) (default 50)",
     )
     parser.add_argument(
+        "--localness-centre",
+        choices=CENTRE_CONVENTIONS,
+        help="Gaussian centre and window: 'paper' (default), Yang et al.'s Eqs. 6-9, "
+        "P = I sigmoid(p), D = I sigmoid(z); 'code', their released code, P = (I - 1) sigmoid(p) "
+        "(never past the last real token), D = I sigmoid(z) + 0.1",
+    )
+    parser.add_argument(
         "--relative-positions",
         type=int,
         metavar="K",
@@ -203,7 +213,15 @@ def add_locality_args(parser):
         "--head-gate-log-alpha-init",
         type=float,
         metavar="A",
-        help="initial log alpha of every gate (default 3: P(gate = 0) about 0.01)",
+        help="initial log alpha of every gate under --head-gate-init constant (default 3: "
+        "P(gate = 0) about 0.01)",
+    )
+    parser.add_argument(
+        "--head-gate-init",
+        choices=head_gates.GATE_INITS,
+        help="initial log alpha: 'constant' (default, --head-gate-log-alpha-init) or 'glorot', "
+        "U(-b, b) with b = sqrt(3 / heads) as in Voita et al.'s code (P(gate = 0) about 0.3 at "
+        "--head-gate-temperature 0.33)",
     )
     parser.add_argument(
         "--heads-kept",
@@ -234,9 +252,10 @@ def default_dynamic_window(args, layout: dict):
 class HeadGateQueries:
     """Mixed into every plugin model: what the L0 criterion asks (Voita et al.)."""
 
-    def head_gate_penalty(self):
-        """The L0 relaxation L_C summed over the model's head gates."""
-        return head_gates.l0_penalty(self)
+    def head_gate_penalty(self, scale=head_gates.DEFAULT_L0_PENALTY_SCALE):
+        """The L0 relaxation L_C over the model's head gates, summed or averaged per gated
+        attention module (``scale``: sum or per-layer-mean)."""
+        return head_gates.l0_penalty(self, scale)
 
     def open_heads(self):
         """{attention type: {layer: open heads}} under the test-time gates."""

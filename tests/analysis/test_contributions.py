@@ -124,7 +124,10 @@ def banded_matrix(n, half_width, inside=0.05, outside=0.001):
 
 @pytest.mark.parametrize("half_width", [1, 3, 8])
 def test_algorithm_1_finds_a_known_band(half_width):
-    assert contrib.window_size(banded_matrix(50, half_width)) == 2 * half_width + 1
+    matrix = banded_matrix(50, half_width)
+    assert contrib.window_size(matrix) == 2 * half_width  # the default convention, 2i
+    assert contrib.window_size(matrix, convention="2i") == 2 * half_width
+    assert contrib.window_size(matrix, convention="2i+1") == 2 * half_width + 1
 
 
 def test_algorithm_1_bridges_gaps_shorter_than_a_tenth_of_the_length():
@@ -133,12 +136,41 @@ def test_algorithm_1_bridges_gaps_shorter_than_a_tenth_of_the_length():
     offsets = torch.arange(n)[None, :] - torch.arange(n)[:, None]
     matrix[offsets == 6] = 0.05  # 3 quiet diagonals (3, 4, 5), then one above t: inside
     matrix[offsets == -15] = 0.05  # after 9 quiet diagonals: outside
-    assert contrib.window_size(matrix) == 13
+    assert contrib.window_size(matrix, convention="2i") == 12
+    assert contrib.window_size(matrix, convention="2i+1") == 13
 
 
-def test_algorithm_1_ignores_the_main_diagonal():
-    assert contrib.window_size(torch.eye(30).double()) == 0
-    assert contrib.window_size(torch.ones(1, 1).double()) == 0
+@pytest.mark.parametrize("convention", ["2i", "2i+1"])
+def test_algorithm_1_gives_zero_without_an_off_diagonal_above_t(convention):
+    assert contrib.window_size(torch.eye(30).double(), convention=convention) == 0
+    assert contrib.window_size(torch.ones(1, 1).double(), convention=convention) == 0
+
+
+def test_unknown_width_convention_is_rejected():
+    with pytest.raises(ValueError, match="unknown window width convention '2i-1'"):
+        contrib.window_size(torch.eye(3).double(), convention="2i-1")
+
+
+def table_1_layer_5(convention):
+    """200 hand-built sentences: 197 whose contributions pass t up to offset 2, three up to
+    offset 3, as in the paper's En-De layer 5 (Table 1: 4.03 +- 0.28, w = 5)."""
+    sample = contrib.LayerSample(convention)
+    for half_width in [2] * 197 + [3] * 3:
+        sample.add(banded_matrix(40, half_width, outside=0.0), contrib.DEFAULT_THRESHOLD)
+    return sample.summary(layer=5)
+
+
+def test_table_1_statistics_under_both_width_conventions():
+    even = table_1_layer_5("2i")  # widths 4 (197 sentences) and 6 (3)
+    assert even["window_mean"] == pytest.approx(4.03)
+    assert even["window_std"] == pytest.approx(math.sqrt(3 * 197) * 2 / 200)  # 0.243
+    assert even["window"] == 5  # ceil(4.27) = 5: the paper's window
+    odd = table_1_layer_5("2i+1")  # widths 5 and 7: one more each
+    assert odd["window_mean"] == pytest.approx(5.03)
+    assert odd["window_std"] == pytest.approx(even["window_std"])
+    assert odd["window"] == 7  # ceil(5.27) = 6, made odd: two wider than the paper's
+    # CL of the paper's window: the offsets-3 sentences lose their outermost diagonals
+    assert even["contribution_loss_mean"] > 0 and odd["contribution_loss_mean"] == 0
 
 
 def test_window_over_a_sample_is_mean_plus_std_made_odd():
@@ -160,7 +192,7 @@ def test_windows_chosen_for_the_model():
 
 
 def test_layer_sample_summary():
-    sample = contrib.LayerSample()
+    sample = contrib.LayerSample("2i+1")
     for half_width in (1, 2, 3):
         sample.add(banded_matrix(20, half_width, outside=0.0), contrib.DEFAULT_THRESHOLD)
     summary = sample.summary(layer=4)
@@ -171,7 +203,7 @@ def test_layer_sample_summary():
 
 
 # -- the CLI ----------------------------------------------------------------------------------
-def test_contributions_cli_end_to_end(tmp_path_factory, capsys):
+def run_contributions_cli(tmp_path_factory, *extra):
     data, checkpoint = asr_checkpoint(tmp_path_factory)
     out = tmp_path_factory.mktemp("contributions")
     code = cli.main(
@@ -179,13 +211,52 @@ def test_contributions_cli_end_to_end(tmp_path_factory, capsys):
          "config_asr.yaml", "--gen-subset", "dev_asr", "--num-sentences", "5",
          "--output-dir", str(out), "--compare-path", str(checkpoint),
          "--compare-config-yaml", "config_asr.yaml", "--compare-gen-subset", "dev_asr",
-         "--batch-size", "2"],
+         "--batch-size", "2", *extra],
     )  # fmt: skip
     assert code == 0
+    return out, json.loads((out / "contributions.json").read_text())
+
+
+def table_1_rows(printed):
+    """{label: [(layer, star, mu, sigma, w, CL mean, CL std, used)]} of the printed blocks."""
+    rows, label = {}, None
+    for line in printed.splitlines():
+        if ": " in line and " sentences, t = " in line:
+            label = line.split(":")[0]
+            rows[label] = []
+        parts = line.replace("+-", " ").split()
+        if label and parts and parts[0].isdigit():
+            star = parts[1] == "*"
+            parts = [parts[0]] + parts[1 + star :]
+            used = parts[8] if len(parts) > 8 else None
+            rows[label].append(
+                (int(parts[0]), star, float(parts[1]), float(parts[2]), int(parts[3]),
+                 float(parts[4]), float(parts[5]), used)
+            )  # fmt: skip
+    return rows
+
+
+def test_contributions_cli_end_to_end(tmp_path_factory, capsys):
+    out, results = run_contributions_cli(tmp_path_factory)
     printed = capsys.readouterr().out
-    assert "mu +- sigma" in printed and "--encoder-attention-windows" in printed
-    results = json.loads((out / "contributions.json").read_text())
+    assert "--encoder-attention-windows" in printed
+    assert "Algorithm 1 per-sentence width 2i; w = ceil(mu + sigma), made odd" in printed
+    assert "(*) standard self-attention in windows.txt: CL >= 0.25" in printed
+    # one Table-1 block per model, line by line the numbers of contributions.json
+    rows = table_1_rows(printed)
+    assert sorted(rows) == ["ASR", "ST"]
+    for label, layers in (("ASR", results["layers"]), ("ST", results["compare"]["layers"])):
+        assert [r[0] for r in rows[label]] == [1, 2, 3, 4, 5, 6]
+        for row, s in zip(rows[label], layers):
+            assert row[2:7] == (
+                round(s["window_mean"], 2), round(s["window_std"], 2), s["window"],
+                round(s["contribution_loss_mean"], 2), round(s["contribution_loss_std"], 2),
+            )  # fmt: skip
+    for row, s in zip(rows["ASR"], results["layers"]):
+        assert row[1] == (s["chosen_window"] == 0)
+        assert row[7] == ("global" if s["chosen_window"] == 0 else str(s["chosen_window"]))
     assert results["num_sentences"] == 5 and len(results["layers"]) == 6
+    assert results["width_convention"] == "2i"
     compared = [{k: v for k, v in s.items() if k != "chosen_window"} for s in results["layers"]]
     assert results["compare"]["layers"] == compared  # the same checkpoint twice
     windows = (out / "windows.txt").read_text().strip()
@@ -195,6 +266,23 @@ def test_contributions_cli_end_to_end(tmp_path_factory, capsys):
     assert [s["window"] for s in results["layers"]][2:] == [3, 5, 5, 7]
     for figure in ("contribution_matrices.png", "ccd.png"):
         assert (out / figure).stat().st_size > 1000
+
+
+def test_contributions_cli_width_conventions(tmp_path_factory, capsys):
+    """The same sentences under 2i+1: every non-zero width one larger."""
+    _, even = run_contributions_cli(tmp_path_factory)
+    _, odd = run_contributions_cli(tmp_path_factory, "--window-width-convention", "2i+1")
+    assert "Algorithm 1 per-sentence width 2i+1;" in capsys.readouterr().out
+    assert odd["width_convention"] == "2i+1"
+    # the banded layers (windows 3, 5, 5, 7) use their whole band in every sentence: 2i + 1
+    # widths are the band, 2i widths one less, and both choose the band as w
+    assert [s["window_mean"] for s in odd["layers"]][2:] == [3, 5, 5, 7]
+    assert [s["window_mean"] for s in even["layers"]][2:] == [2, 4, 4, 6]
+    assert [s["window_std"] for s in odd["layers"] + even["layers"]][2:6] == [0] * 4
+    for a, b in zip(even["layers"], odd["layers"]):
+        assert b["window"] in (a["window"], a["window"] + 2)
+    assert [s["window"] for s in even["layers"]][2:] == [3, 5, 5, 7]
+    assert [s["window"] for s in odd["layers"]][2:] == [3, 5, 5, 7]
 
 
 def test_contributions_cli_names_a_missing_subset(tmp_path_factory, capsys):

@@ -82,3 +82,38 @@ def test_gates_are_differentiable_through_samples():
     total = torch.stack([gates.sample() for _ in range(20)]).sum()
     total.backward()
     assert gates.log_alpha.grad is not None and (gates.log_alpha.grad > 0).all()
+
+
+# -- initialisation: constant (this project) or glorot (Voita et al.'s code) --------------------
+def test_constant_initialisation_is_the_default():
+    gates = HardConcreteGates(8)
+    assert gates.init == "constant" and torch.equal(gates.log_alpha.detach(), torch.full((8,), 3.0))
+    assert gates.prob_closed().max().item() == pytest.approx(0.0100, abs=2e-4)
+
+
+def test_glorot_initialised_gates_start_closed_about_30_percent_of_the_time():
+    """Voita et al.'s gate variable, shape [1, 8, 1, 1], is glorot-uniform: U(-b, b) with
+    b = sqrt(6 / (8 + 8)); at her temperature 0.33, P(g = 0) averages about 0.3 over the gates."""
+    torch.manual_seed(0)
+    heads, beta = 8, 0.33
+    modules = [HardConcreteGates(heads, temperature=beta, init="glorot") for _ in range(1000)]
+    log_alpha = torch.cat([g.log_alpha.detach() for g in modules])
+    bound = math.sqrt(6 / (heads + heads))
+    assert log_alpha.abs().max() <= bound and log_alpha.abs().max() > 0.95 * bound
+    assert log_alpha.mean().abs() < 0.02
+    assert log_alpha.std() == pytest.approx(bound / 3**0.5, rel=0.03)
+    # E over a ~ U(-b, b) of sigmoid(c - a), c = beta log(-gamma / zeta), is
+    # (softplus(c + b) - softplus(c - b)) / 2b
+    c = beta * math.log(0.1 / 1.1)
+    softplus = lambda x: math.log1p(math.exp(x))  # noqa: E731
+    expected = (softplus(c + bound) - softplus(c - bound)) / (2 * bound)
+    closed = torch.cat([g.prob_closed().detach() for g in modules])
+    assert closed.mean().item() == pytest.approx(expected, abs=0.005)
+    assert 0.28 < closed.mean().item() < 0.34
+    sampled = torch.stack([torch.cat([g.sample().detach() for g in modules]) for _ in range(20)])
+    assert (sampled == 0).float().mean().item() == pytest.approx(expected, abs=0.01)
+
+
+def test_unknown_initialisation_is_rejected():
+    with pytest.raises(ValueError, match="unknown head gate initialisation 'xavier'"):
+        HardConcreteGates(2, init="xavier")

@@ -146,3 +146,14 @@ def test_missing_gates_are_added_when_loading_a_checkpoint_without_them():
     state = {f"layer.{k}": v for k, v in plain.state_dict().items()}
     gated.upgrade_state_dict_named(state, "layer")
     assert torch.equal(state["layer.head_gates.log_alpha"], torch.full((H,), 3.0))
+
+
+def test_glorot_gates_added_to_a_checkpoint_without_them_start_spread():
+    """Gates added for fine-tuning start from their initialisation: Voita et al.'s glorot
+    uniform U(-b, b), b = sqrt(6 / (H + H)), instead of the constant."""
+    plain, gated = attention(), attention(gates={**GATES, "init": "glorot"})
+    assert gated.head_gates.init == "glorot"
+    state = {f"layer.{k}": v for k, v in plain.state_dict().items()}
+    gated.upgrade_state_dict_named(state, "layer")
+    added = state["layer.head_gates.log_alpha"]
+    assert added.abs().max() <= (6 / (H + H)) ** 0.5 and added.unique().numel() == H

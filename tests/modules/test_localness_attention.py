@@ -12,7 +12,9 @@ E, H = 16, 4
 FUTURE = lambda n: torch.triu(torch.full((n, n), float("-inf")), 1)  # noqa: E731
 
 
-def attention(strategy="query", rel=None, values=False, causal=False, heads=None, **kw):
+def attention(
+    strategy="query", rel=None, values=False, causal=False, heads=None, centre="paper", **kw
+):
     torch.manual_seed(0)
     heads = heads or [
         HeadSpec("global", None, True),
@@ -25,7 +27,7 @@ def attention(strategy="query", rel=None, values=False, causal=False, heads=None
         H,
         head_specs=heads,
         causal=causal,
-        localness={"window": strategy},
+        localness={"window": strategy, "centre": centre},
         relative_max_distance=rel,
         relative_values=values,
         **kw,
@@ -34,18 +36,23 @@ def attention(strategy="query", rel=None, values=False, causal=False, heads=None
     return attn.eval()
 
 
+@pytest.mark.parametrize("centre", ["paper", "code"])
 @pytest.mark.parametrize("strategy", ["fixed", "layer", "query", "head"])
-def test_decoder_self_attention_incremental_equals_full(strategy):
-    attn = attention(strategy, rel=2, values=True, causal=True, self_attention=True)
+def test_decoder_self_attention_incremental_equals_full(strategy, centre):
+    attn = attention(strategy, rel=2, values=True, causal=True, self_attention=True, centre=centre)
+    assert attn.localness.centre == centre
     x = torch.randn(6, 2, E)
     full, _ = attn(x, x, x, attn_mask=FUTURE(6))
     torch.testing.assert_close(decode_step_by_step(attn, x), full, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("centre", ["paper", "code"])
 @pytest.mark.parametrize("strategy", ["layer", "query"])
-def test_cross_attention_incremental_equals_full(strategy):
+def test_cross_attention_incremental_equals_full(strategy, centre):
     heads = [HeadSpec("global", None, True)] * 2 + [HeadSpec("global")] * 2
-    attn = attention(strategy, heads=heads, kdim=E, vdim=E, encoder_decoder_attention=True)
+    attn = attention(
+        strategy, heads=heads, kdim=E, vdim=E, encoder_decoder_attention=True, centre=centre
+    )
     x, enc = torch.randn(5, 2, E), torch.randn(7, 2, E)
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[0, :3] = True  # left-padded source
@@ -88,6 +95,20 @@ def test_gaussian_head_prefers_its_centre():
     # equal logits: the Gaussian alone decides, peaking at P = I sigmoid(0) = 4.5
     assert w[0, 0].argmax(-1).tolist() in ([4] * 9, [5] * 9)
     torch.testing.assert_close(w[1, 0], torch.full((9, 9), 1 / 9))
+
+
+def test_gaussian_head_under_the_code_convention_centres_on_the_middle_token():
+    """Yang et al.'s code: P = (I - 1) sigmoid(0) = 4, exactly the middle of 9 tokens."""
+    heads = [HeadSpec("global", None, True)] + [HeadSpec("global")] * 3
+    attn = attention("fixed", heads=heads, centre="code")
+    with torch.no_grad():
+        for p in (attn.q_proj, attn.k_proj):
+            p.weight.zero_()
+            p.bias.zero_()
+    x = torch.randn(9, 1, E)
+    _, w = attn(x, x, x, need_head_weights=True)
+    assert w[0, 0].argmax(-1).tolist() == [4] * 9
+    torch.testing.assert_close(w[0, 0, :, :4], w[0, 0, :, 5:].flip(-1))  # symmetric about it
 
 
 def test_tied_gaussian_heads_match_a_written_out_reference():
