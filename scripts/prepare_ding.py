@@ -16,6 +16,8 @@ import random
 import re
 import sys
 
+from local_attn_fairseq.file_safety import atomic_output
+
 DEFAULT_SOURCE = "/usr/share/trans/de-en"
 _ANNOTATION = re.compile(r"\{[^}]*\}|\[[^\]]*\]|<[^>]*>")
 _SPACES = re.compile(r"\s+")
@@ -74,14 +76,13 @@ def split_pairs(pairs, n_test, n_valid, seed, max_train=None):
 
 
 def write_splits(splits, out_dir, src="de", tgt="en"):
+    """``{split}.{src}`` and ``{split}.{tgt}``, each file written whole or not at all."""
     os.makedirs(out_dir, exist_ok=True)
     for name, pairs in splits.items():
-        with open(os.path.join(out_dir, f"{name}.{src}"), "w", encoding="utf-8") as fs, open(
-            os.path.join(out_dir, f"{name}.{tgt}"), "w", encoding="utf-8"
-        ) as ft:
-            for de, en in pairs:
-                fs.write(de + "\n")
-                ft.write(en + "\n")
+        for side, lang in enumerate((src, tgt)):
+            with atomic_output(os.path.join(out_dir, f"{name}.{lang}")) as temporary:
+                with open(temporary, "w", encoding="utf-8") as out:
+                    out.writelines(pair[side] + "\n" for pair in pairs)
 
 
 def main(argv=None):

@@ -29,6 +29,14 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     ]
     out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # not a terminal: plain progress lines (no bar), the last one of each model says done
+    for model in (r"transformer \(baseline\)", "transformer_local_tied"):
+        assert re.search(
+            rf"^\| progress \| {model}: epoch 1 \| updates \d+ \| loss [\d.]+ \| \d+ words/s \| done$",
+            out.stdout,
+            re.M,
+        ), out.stdout[-3000:]
+    assert "\r" not in out.stdout
     table = out.stdout[out.stdout.index("| model |") :]
     assert re.search(r"\| transformer \(baseline\) \| 0\.\d+M \| [\d.]+ \| \d+ \|", table)
     assert re.search(r"\| transformer_local_tied \| 0\.\d+M \| [\d.]+ \| \d+ \|", table)
@@ -104,3 +112,30 @@ def test_benchmark_prints_the_ratio(tmp_path):
     # tied Wq/Wk are projected once for all the heads that share them: fewer matrix products
     ceiling = re.search(r"FLOP ratio .*: ([\d.]+); measured / ceiling", out.stdout)
     assert ceiling and float(ceiling.group(1)) > 1.05, out.stdout[-2000:]
+
+
+@pytest.mark.parametrize("option", ["--fp16", "--bf16"])
+def test_benchmark_refuses_half_precision_on_the_cpu(tmp_path, option):
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "training_throughput.py"), option,
+         "--work-dir", str(tmp_path / "bench")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert f"{option} needs --device cuda" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "bench").exists()  # refused before any data preparation
+
+
+def test_kernel_benchmark_prints_every_route(tmp_path):
+    table = tmp_path / "table.md"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "banded_attention.py")]
+    cmd += ["--lengths", "64", "--widths", "5", "--repeats", "1", "--backward"]
+    out = subprocess.run(cmd + ["--output", str(table)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split(" | ")[3]: line for line in table.read_text().splitlines()
+            if line.startswith("| 64 | 5 | fwd+bwd |")}  # fmt: skip
+    assert set(rows) == {"banded", "blocked", "flex", "sdpa", "naive", "global"}
+    assert "no CPU backward" in rows["flex"]
+    for name in ("banded", "blocked", "sdpa", "naive", "global"):
+        ms, tflops = rows[name].split(" | ")[4], rows[name].split(" | ")[9]
+        assert float(ms) > 0 and float(tflops) > 0, rows[name]

@@ -1,0 +1,189 @@
+"""The small-scale study on one corpus (train, prune, score every run) and its report.
+
+The report is a Markdown section (one table and one learning-curve figure per corpus) written
+to the study's work folder and, on request, between the markers of a tracked document such as
+``docs/small_scale_study.md``, whose other text is kept.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+from ..file_safety import atomic_write_text
+from ..modules.head_pruning import prune_checkpoint
+from . import study
+from .training_progress import ProgressDisplay
+
+REPORT_START = "<!-- small-scale study report: start -->"
+REPORT_END = "<!-- small-scale study report: end -->"
+
+
+@dataclass
+class StudyCorpus:
+    name: str  # ding-de-en, bible-en-es
+    description: str
+    bin_dir: str
+    train_pairs: int
+    test_sentences: int
+
+
+def study_runs(corpus, work, base_argv, models, seeds):
+    """{model: [TrainingRun per seed]}: the base options, the model's, the seed."""
+    return {
+        name: [
+            study.TrainingRun(
+                name,
+                study.MODELS[name][0],
+                [corpus.bin_dir, *base_argv, *study.MODELS[name][1], "--seed", str(seed)],
+                work,
+            )
+            for seed in seeds
+        ]
+        for name in models
+    }
+
+
+def pruned_checkpoint(checkpoint):
+    """The gated checkpoint with its closed heads pruned, and the number of encoder heads kept;
+    reused while newer than the checkpoint."""
+    pruned = checkpoint.replace(".pt", "_pruned.pt")
+    record = pruned.replace(".pt", ".json")
+    if not (os.path.exists(record) and os.path.getmtime(record) >= os.path.getmtime(checkpoint)):
+        _, kept, _ = prune_checkpoint(checkpoint, pruned)
+        heads = sum(len(layer) for layer in kept["encoder_self"])
+        atomic_write_text(record, json.dumps({"encoder_heads_kept": heads}))
+    with open(record, encoding="utf-8") as f:
+        return pruned, json.load(f)["encoder_heads_kept"]
+
+
+def score_run(run, log, corpus, user_dir, max_update):
+    """One finished run: its best checkpoint (pruned for the gated model) scored on test."""
+    checkpoint = os.path.join(run.save_dir, "checkpoint_best.pt")
+    rates = log.epoch_words_per_s[1:] or log.epoch_words_per_s  # the first epoch warms up
+    result = {
+        "seed": int(run.argv[run.argv.index("--seed") + 1]),
+        "save_dir": run.save_dir,
+        "updates_trained": log.num_updates,
+        "updates_to_convergence": study.convergence_update(log),
+        "converged": log.num_updates < max_update,
+        "train_words_per_s": sum(rates) / len(rates) if rates else float("nan"),
+        "validations": [vars(v) for v in log.validations],
+    }
+    if "--head-gates" in run.argv:
+        checkpoint, result["encoder_heads_kept"] = pruned_checkpoint(checkpoint)
+    result["encoder_attention_params"] = study.encoder_attention_parameters(checkpoint)
+    out_dir = os.path.join(run.save_dir, "test")
+    result["bleu"] = study.bleu(corpus.bin_dir, checkpoint, out_dir, user_dir)
+    return result
+
+
+def run_corpus(corpus, work, base_argv, models, seeds, max_update, patience, jobs, display=None):
+    """Train (or continue, or reuse) and score every run of one corpus; a JSON-able summary."""
+    runs = study_runs(corpus, work, base_argv, models, seeds)
+    everything = [run for model_runs in runs.values() for run in model_runs]
+    print(f"| {corpus.description}: {len(everything)} runs in {work}/runs", flush=True)
+    logs = study.train_runs(everything, max_update, patience, jobs, display or ProgressDisplay())
+    user_dir = base_argv[base_argv.index("--user-dir") + 1]
+    summary = {}
+    for name, model_runs in runs.items():
+        results = [
+            score_run(run, logs[run.save_dir], corpus, user_dir, max_update) for run in model_runs
+        ]
+        summary[name] = dict(study.summarise(results), label=study.MODELS[name][0], runs=results)
+    return {
+        "corpus": corpus.name,
+        "description": corpus.description,
+        "train_pairs": corpus.train_pairs,
+        "test_sentences": corpus.test_sentences,
+        "models": summary,
+    }
+
+
+def corpus_section(result, settings, image):
+    """The Markdown of one corpus: the table and its learning curves."""
+    seeds = ", ".join(map(str, settings["seeds"]))
+    lines = [
+        f"### {result['description']}",
+        "",
+        f"{result['train_pairs']:,} training pairs, BLEU on the {result['test_sentences']:,} test "
+        f"sentences (best checkpoint by validation loss), seeds {seeds}; each run stopped when "
+        f"validation loss had not improved for {settings['patience']} validations (one per "
+        f"epoch) or at {result['max_update']:,} updates.",
+        "",
+        "| model | BLEU (mean ± std) | BLEU min-max | updates to convergence | updates trained "
+        "(runs converged) | train words/s | encoder attention params |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in result["models"].values():
+        label = s["label"]
+        if "encoder_heads_kept" in s:
+            label += f" ({'/'.join(map(str, s['encoder_heads_kept']))} of 48 encoder heads kept)"
+        runs = len(s["runs"])
+        lines.append(
+            f"| {label} | {s['bleu_mean']:.2f} ± {s['bleu_std']:.2f} | "
+            f"{s['bleu_min']:.2f}-{s['bleu_max']:.2f} | {s['updates_to_convergence']:,} | "
+            f"{s['updates_trained']:,} ({s['converged_runs']}/{runs}) | "
+            f"{s['train_words_per_s']:,} | {s['encoder_attention_params'] / 1e6:.3f}M |"
+        )
+    lines += [
+        "",
+        f"![Validation loss of every run against updates and training time, "
+        f"{result['description']}](images/{image})",
+        "",
+    ]
+    return lines
+
+
+def report(results, settings, images):
+    """The study's Markdown section; `images` names each corpus's curve file."""
+    lines = [
+        "## Study to convergence",
+        "",
+        f"The demo's model ({settings['model']}, 8 heads, 6 encoder and 2 decoder layers, "
+        f"pre-norm) and schedule, {settings['jobs']} run(s) side by side with the cores split "
+        "evenly between them (every run under the same load, so words/s compare across models). "
+        "Updates to convergence: the update of the best validation loss (mean over seeds).",
+        "",
+    ]
+    for result in results:
+        lines += corpus_section(result, settings, images[result["corpus"]])
+    lines += [
+        f"Command: `{settings['command'].strip()}` ({settings['minutes']:.0f} minutes on "
+        f"{settings['machine']}).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def replace_section(document, section):
+    """`document` with the text between the report markers replaced (markers appended if absent)."""
+    block = f"{REPORT_START}\n{section}\n{REPORT_END}"
+    if REPORT_START in document and REPORT_END in document:
+        head, rest = document.split(REPORT_START, 1)
+        return head + block + rest.split(REPORT_END, 1)[1]
+    return document.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def write_report(results, settings, targets, json_path):
+    """Write the curves and the report to every (markdown path, image folder) of `targets`; a
+    Markdown file that exists keeps everything outside the report markers. Returns the report."""
+    images = {r["corpus"]: f"small_scale_study_{r['corpus']}.png" for r in results}
+    section = report(results, settings, images)
+    for markdown_path, image_dir in targets:
+        for result in results:
+            curves = {
+                s["label"]: [
+                    [study.Validation(**v) for v in run["validations"]] for run in s["runs"]
+                ]
+                for s in result["models"].values()
+            }
+            path = os.path.join(image_dir, images[result["corpus"]])
+            study.plot_curves(curves, f"{result['description']}: validation loss", path)
+        existing = ""
+        if os.path.exists(markdown_path):
+            with open(markdown_path, encoding="utf-8") as f:
+                existing = f.read()
+        document = replace_section(existing or "# Small-scale study\n", section)
+        atomic_write_text(markdown_path, document)
+    atomic_write_text(json_path, json.dumps({"settings": settings, "corpora": results}, indent=2))
+    return section

@@ -1,0 +1,94 @@
+"""Run keys, convergence, resumed early stopping and the report's place in a tracked document."""
+
+import json
+import types
+
+from fairseq import checkpoint_utils
+from fairseq_cli import train
+
+from local_attn_fairseq.experiments import fairseq_train, study, study_report
+from local_attn_fairseq.experiments.training_progress import Validation
+
+
+def test_run_key_depends_on_settings_not_on_the_budget():
+    argv = ["data", "--arch", "transformer", "--seed", "1", "--lr", "3e-3"]
+    key = study.run_key(argv)
+    budget = ["--max-update", "100", "--patience", "3", "--save-dir", "/x"]
+    assert study.run_key(argv + budget) == key
+    assert study.run_key(["data", "--arch", "transformer", "--seed", "2", "--lr", "3e-3"]) != key
+    assert study.run_key(argv + ["--dropout", "0.3"]) != key
+    run = study.TrainingRun("baseline", "b", argv, "/work")
+    assert run.save_dir == f"/work/runs/baseline-{key}"
+
+
+def test_convergence_counts_validations_since_the_best():
+    curve = [Validation(e, 10 * e, loss) for e, loss in enumerate([5.0, 4.0, 4.5, 4.0, 4.2], 1)]
+    assert study.bad_validations(curve) == 3  # a tie is no improvement, as fairseq counts it
+    assert study.convergence_update(types.SimpleNamespace(validations=curve, num_updates=50)) == 20
+    log = types.SimpleNamespace(validations=curve, num_updates=50)
+    assert study.is_finished(log, max_update=100, patience=3)
+    assert not study.is_finished(log, max_update=100, patience=4)
+    assert study.is_finished(log, max_update=50, patience=4)  # the cap
+    assert not study.is_finished(log, max_update=100, patience=0)  # no early stopping
+
+
+def test_resumed_early_stopping_continues_from_the_stored_best():
+    cfg = types.SimpleNamespace(
+        checkpoint=types.SimpleNamespace(patience=2, maximize_best_checkpoint_metric=False)
+    )
+    original = train.should_stop_early
+    had_best = getattr(checkpoint_utils.save_checkpoint, "best", None)
+    try:
+        checkpoint_utils.save_checkpoint.best = 1.0  # what loading a checkpoint restores
+        fairseq_train.resume_patience(bad_validations=1)
+        # one validation without improvement before the restart, one after: patience 2 is spent
+        assert train.should_stop_early(cfg, 1.5) is True
+        # a fresh run (nothing restored) counts from its own first validation
+        del checkpoint_utils.save_checkpoint.best
+        fairseq_train.resume_patience(bad_validations=0)
+        assert [train.should_stop_early(cfg, loss) for loss in (3.0, 3.5, 2.0)] == [False] * 3
+        assert train.should_stop_early(cfg, 2.5) is False and train.should_stop_early(cfg, 2.1)
+    finally:
+        train.should_stop_early = original
+        if had_best:
+            checkpoint_utils.save_checkpoint.best = had_best
+        elif hasattr(checkpoint_utils.save_checkpoint, "best"):
+            del checkpoint_utils.save_checkpoint.best
+
+
+def test_report_replaces_only_its_own_section(tmp_path):
+    document = "# Study\n\nThe old study's numbers.\n"
+    once = study_report.replace_section(document, "new table 1")
+    assert once.startswith(document.rstrip("\n")) and "new table 1" in once
+    twice = study_report.replace_section(once + "\nText after.\n", "new table 2")
+    assert "The old study's numbers." in twice and "Text after." in twice
+    assert "new table 1" not in twice and twice.count(study_report.REPORT_START) == 1
+
+
+def test_write_report_writes_markdown_curves_and_json(tmp_path):
+    runs = [
+        {"bleu": b, "updates_to_convergence": 20, "updates_trained": 50, "converged": True,
+         "train_words_per_s": 1000.0, "encoder_attention_params": 393216,
+         "validations": [{"epoch": 1, "num_updates": 10, "loss": 5.0, "wall": 30.0},
+                         {"epoch": 2, "num_updates": 20, "loss": 4.0, "wall": 60.0}]}
+        for b in (10.0, 12.0)
+    ]  # fmt: skip
+    result = {
+        "corpus": "bible-en-es", "description": "Bible en-es", "train_pairs": 1000,
+        "test_sentences": 100, "max_update": 100,
+        "models": {"baseline": dict(study.summarise(runs), label="transformer (baseline)", runs=runs)},
+    }  # fmt: skip
+    settings = {"command": "python scripts/small_scale_study.py", "minutes": 1.0, "machine": "2 CPU cores",
+                "model": "128 dims", "patience": 3, "seeds": [1, 2], "jobs": 1}  # fmt: skip
+    tracked = tmp_path / "docs" / "study.md"
+    tracked.parent.mkdir()
+    tracked.write_text("# Small-scale study\n\nEarlier numbers.\n")
+    targets = [(str(tmp_path / "work" / "study.md"), str(tmp_path / "work" / "images")),
+               (str(tracked), str(tmp_path / "docs" / "images"))]  # fmt: skip
+    section = study_report.write_report([result], settings, targets, str(tmp_path / "s.json"))
+    assert "| transformer (baseline) | 11.00 ± 1.41 | 10.00-12.00 | 20 | 50 (2/2) | 1,000 |" in section
+    assert "Earlier numbers." in tracked.read_text() and section in tracked.read_text()
+    for folder in ("work", "docs"):
+        png = tmp_path / folder / "images" / "small_scale_study_bible-en-es.png"
+        assert png.read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "s.json").read_text())["corpora"][0]["corpus"] == "bible-en-es"

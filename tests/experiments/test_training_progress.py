@@ -1,0 +1,85 @@
+"""The progress lines: fairseq's JSON log parsed (on a real fairseq-train log), both display modes."""
+
+import io
+
+from local_attn_fairseq.experiments.training_progress import (
+    ProgressDisplay,
+    RunLog,
+    format_duration,
+    json_log_options,
+    parse_line,
+    read_log,
+)
+
+from ..conftest import train_tiny
+
+
+def test_parse_line_reads_both_console_formats_and_ignores_the_rest():
+    stats = '{"epoch": 2, "update": 1.5, "loss": "7.1", "num_updates": "30"}'
+    assert parse_line(f"2026-01-01 10:00:00 | INFO | train_inner | {stats}") == (
+        "train_inner",
+        {"epoch": 2, "update": 1.5, "loss": "7.1", "num_updates": "30"},
+    )
+    assert parse_line('INFO:valid:{"epoch": 1, "valid_loss": "9.4"}')[0] == "valid"
+    assert parse_line("2026-01-01 | INFO | fairseq_cli.train | begin training epoch 1") is None
+    assert parse_line('2026-01-01 | INFO | train_inner | {"epoch": 2, "lo') is None  # cut by a kill
+
+
+def test_a_real_fairseq_log_gives_updates_loss_speed_and_validations(tiny_data, tmp_path):
+    out = train_tiny(tiny_data, tmp_path / "run", *json_log_options(2), max_update=6)
+    log_path = tmp_path / "train.log"
+    log_path.write_text(out.stdout + out.stderr)
+    run = read_log(str(log_path), "tiny", max_update=6)
+    assert run.finished and run.num_updates == 6 and run.epoch >= 1
+    assert run.loss is not None and run.loss > 0 and run.words_per_s > 0
+    assert run.validations and all(v.loss > 0 for v in run.validations)
+    assert run.validations[-1].num_updates == 6
+    assert run.epoch_words_per_s and all(w > 0 for w in run.epoch_words_per_s)
+
+
+def test_run_log_follows_a_growing_file_and_estimates_time_left(tmp_path):
+    path = tmp_path / "train.log"
+    path.write_text("")
+    run = RunLog(str(path), "model", max_update=100)
+    with open(path, "a") as log:
+        log.write('x | INFO | train_inner | {"epoch": 1, "update": 0.5, "loss": "5.0", "wps": "1000", ')
+    run.update()
+    assert run.num_updates == 0 and run.time_left() is None  # half a line: nothing yet
+    with open(path, "a") as log:
+        log.write('"ups": "2", "num_updates": "40"}\n')
+    run.update()
+    assert run.num_updates == 40 and run.loss == 5.0 and run.time_left() == 30.0
+    assert run.line() == "model: epoch 1 | updates 40/100 | loss 5.000 | 1000 words/s | time left 0m30s"
+    by_epoch = RunLog(str(path), "model", max_epoch=4)
+    by_epoch.update()  # half of epoch 1 took 40 updates: 3.5 epochs = 280 updates left at 2/s
+    assert by_epoch.time_left() == 140.0
+    assert format_duration(3 * 3600 + 65) == "3h01m"
+
+
+def test_plain_mode_prints_lines_only_when_due_and_changed(tmp_path):
+    path = tmp_path / "train.log"
+    path.write_text('x | INFO | train_inner | {"epoch": 1, "update": 0.1, "num_updates": "5", "ups": "1"}\n')
+    stream = io.StringIO()
+    display = ProgressDisplay(stream, interval=3600, tty=False)
+    run = RunLog(str(path), "m", max_update=10)
+    display.show([run])
+    display.show([run])  # not due yet
+    display.finish([run])  # due, but the line has not changed
+    assert stream.getvalue().splitlines() == ["| progress | m: epoch 1 | updates 5/10 | loss - | - words/s | time left 0m05s"]
+    assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
+
+
+def test_terminal_mode_redraws_one_bar_per_run_in_place(tmp_path):
+    logs = []
+    for name, updates in (("a", 5), ("b", 10)):
+        path = tmp_path / f"{name}.log"
+        path.write_text(f'x | INFO | train_inner | {{"epoch": 1, "num_updates": "{updates}", "ups": "1"}}\n')
+        logs.append(RunLog(str(path), name, max_update=10))
+    stream = io.StringIO()
+    display = ProgressDisplay(stream, tty=True)
+    display.show(logs)
+    display.show(logs)
+    first, second = stream.getvalue().split("\n", 2)[:2]
+    assert first.startswith("\r\x1b[2K[##########..........] a: epoch 1 | updates 5/10")
+    assert second.startswith("\r\x1b[2K[####################] b: epoch 1 | updates 10/10")
+    assert "\x1b[2F" in stream.getvalue()  # the second drawing moves up over the first

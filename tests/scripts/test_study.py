@@ -1,0 +1,62 @@
+"""The study's reduced form through its command line: a few hundred Bible verses, two tiny
+models, one seed, a cap of 4 updates, then a cap of 8 that continues the same runs."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ..conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+STUDY = os.path.join(REPO, "scripts", "small_scale_study.py")
+TRACKED_REPORT = os.path.join(REPO, "docs", "small_scale_study.md")
+
+
+def run_study(work, max_update):
+    cmd = [sys.executable, STUDY, "--work-dir", work, "--corpus", "bible-en-es", "--tiny",
+           "--max-train", 300, "--test-size", 20, "--vocab-size", 400, "--seeds", 1,
+           "--models", "baseline,local_tied", "--max-update", max_update]  # fmt: skip
+    out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
+    work = tmp_path / "study"
+    first = run_study(work, 4)
+    runs = sorted((work / "bible-en-es" / "runs").iterdir())
+    assert [r.name.split("-")[0] for r in runs] == ["baseline", "local_tied"]
+    # not a terminal: plain progress lines, one per run
+    assert re.search(r"^\| progress \| transformer \(baseline\) \[baseline-\w+\]: epoch \d+ \| "
+                     r"updates \d+/4 \| loss ", first, re.M)  # fmt: skip
+    assert "\r" not in first
+
+    second = run_study(work, 8)
+    assert sorted((work / "bible-en-es" / "runs").iterdir()) == runs  # the same runs, continued
+    for run in runs:
+        log = (run / "train.log").read_text()
+        assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 4 updates\)", log)
+        assert log.count("done training in") == 2
+        assert '"valid_num_updates": "8"' in log
+    study = json.loads((work / "small_scale_study.json").read_text())
+    baseline = study["corpora"][0]["models"]["baseline"]
+    assert baseline["updates_trained"] == 8 and len(baseline["runs"]) == 1
+    walls = [v["wall"] for v in baseline["runs"][0]["validations"]]
+    assert walls == sorted(walls) and walls[0] > 0  # wall time keeps counting across sessions
+    assert "| transformer (baseline) |" in second and "updates to convergence" in second
+
+    # a third call finds both runs finished: nothing is trained or scored again
+    third = run_study(work, 8)
+    assert third.count("reused") == 2 and "fairseq_train" not in third
+    assert "fairseq-generate" not in third
+
+    report = (work / "small_scale_study.md").read_text()
+    assert "images/small_scale_study_bible-en-es.png" in report
+    assert (work / "images" / "small_scale_study_bible-en-es.png").read_bytes()[:4] == b"\x89PNG"
+    with open(TRACKED_REPORT, encoding="utf-8") as f:
+        assert str(work) not in f.read()  # the tracked report is written only on request
