@@ -37,6 +37,8 @@ BIN = os.path.dirname(sys.executable)
 sys.path.insert(0, HERE)
 from demo import run, training_finished, up_to_date  # noqa: E402
 
+from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
+
 ARCH = "s2t_transformer_local_tiny"
 ENCODER_LAYERS = 6  # the tiny arch's
 GLOBAL_WINDOWS = ",".join(["0"] * ENCODER_LAYERS)
@@ -234,10 +236,10 @@ def main():
         f"{sizes['train']} training utterances, ASR {sizes['asr_epochs']} epochs, "
         f"ST {sizes['st_epochs']} epochs each"
     )
-    with open(os.path.join(work, "results.md"), "w") as f:
-        f.write(f"{title}\n\n{table}\n")
-    with open(os.path.join(work, "results.json"), "w") as f:
-        json.dump({"sizes": sizes, "rows": rows}, f, indent=2)
+    atomic_write_text(os.path.join(work, "results.md"), f"{title}\n\n{table}\n")
+    atomic_write_text(
+        os.path.join(work, "results.json"), json.dumps({"sizes": sizes, "rows": rows}, indent=2)
+    )
     print(f"\n{title}, {(time.time() - started) / 60:.1f} min\n\n{table}")
 
 

@@ -20,6 +20,7 @@ import random
 import torch
 from tqdm import tqdm
 
+from ..file_safety import atomic_write_text
 from . import contributions as contrib
 from .loading import AnalysisInputError, reports_input_errors
 from .output import output_path, pyplot, save_figure, write_json
@@ -114,8 +115,7 @@ def run(args):
         results["compare"] = {k: v for k, v in compared.items() if k != "plot"}
     plot_matrices(results["plot"], chosen, args.output_dir)
     plot_ccd([results, compared] if compared else [results], args.output_dir)
-    with open(output_path(args.output_dir, "windows.txt"), "w", encoding="utf-8") as f:
-        f.write(windows + "\n")
+    atomic_write_text(output_path(args.output_dir, "windows.txt"), windows + "\n")
     write_json(
         args.output_dir, "contributions.json", {k: v for k, v in results.items() if k != "plot"}
     )

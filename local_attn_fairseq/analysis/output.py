@@ -6,7 +6,7 @@ import math
 import os
 from typing import Optional, Sequence
 
-from ..file_safety import atomic_write_text
+from ..file_safety import atomic_output, atomic_write_text
 
 # Pande et al.'s colours: local blue, syntactic orange, unrelated green.
 SET_COLOURS = {
@@ -43,7 +43,10 @@ def pyplot():
 
 def save_figure(figure, output_dir: str, name: str) -> str:
     path = output_path(output_dir, name)
-    figure.savefig(path, dpi=100, bbox_inches="tight")
+    with atomic_output(path) as temporary:
+        # the temporary name has no image suffix: say the format
+        image_format = os.path.splitext(name)[1][1:]
+        figure.savefig(temporary, dpi=100, bbox_inches="tight", format=image_format)
     pyplot().close(figure)
     return path
 
