@@ -35,8 +35,14 @@ ROOT = os.path.dirname(HERE)
 USER_DIR = os.path.join(ROOT, "local_attn_fairseq")
 BIN = os.path.dirname(sys.executable)
 sys.path.insert(0, HERE)
-from demo import run, training_finished, up_to_date  # noqa: E402
+from demo import PROGRESS_LOG_INTERVAL, run, training_finished, up_to_date  # noqa: E402
 
+from local_attn_fairseq.experiments.training_progress import (  # noqa: E402
+    ProgressDisplay,
+    RunLog,
+    json_log_options,
+    wait_with_progress,
+)
 from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
 
 ARCH = "s2t_transformer_local_tiny"
@@ -111,22 +117,26 @@ def train_command(data, task, save_dir, windows, epochs, pretrained=None):
     return [str(c) for c in cmd]
 
 
-def train_side_by_side(runs):
-    """Train [(name, command, save_dir)] at once, the cores split between them; returns the
-    seconds each took. Small models use two threads poorly, so together they finish sooner."""
+def train_side_by_side(runs, epochs):
+    """Train [(name, command, save_dir)] at once, the cores split between them, one progress
+    line per run meanwhile. Small models use two threads poorly, so together they finish sooner."""
     threads = str(max(1, (os.cpu_count() or 2) // len(runs)))
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-    started, processes = time.time(), []
+    started, processes, progress = time.time(), [], []
     for name, cmd, save_dir in runs:
         if training_finished(save_dir):
             continue
         os.makedirs(save_dir, exist_ok=True)
+        cmd = cmd + json_log_options(PROGRESS_LOG_INTERVAL)
         print("$ " + " ".join(cmd), flush=True)
-        log = open(os.path.join(save_dir, "train.log"), "w")
-        processes.append((name, save_dir, subprocess.Popen(cmd, stdout=log, stderr=log, env=env)))
-    for name, save_dir, process in processes:
-        if process.wait() != 0:
-            log_path = os.path.join(save_dir, "train.log")
+        log_path = os.path.join(save_dir, "train.log")
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+        processes.append((name, log_path, process))
+        progress.append(RunLog(log_path, name, max_epoch=epochs))
+    codes = wait_with_progress([p for _, _, p in processes], progress, ProgressDisplay())
+    for (name, log_path, _), code in zip(processes, codes):
+        if code != 0:
             sys.exit(f"training {name} failed, see {log_path}:\n{open(log_path).read()[-3000:]}")
     if processes:
         print(f"| trained {', '.join(p[0] for p in processes)} in {time.time() - started:.0f} s")
@@ -202,7 +212,7 @@ def main():
 
     asr_dir = os.path.join(experiment, f"asr_ctc_e{sizes['asr_epochs']}")
     asr_cmd = train_command(data, "asr", asr_dir, GLOBAL_WINDOWS, sizes["asr_epochs"])
-    train_side_by_side([("ASR", asr_cmd, asr_dir)])
+    train_side_by_side([("ASR", asr_cmd, asr_dir)], sizes["asr_epochs"])
     asr = os.path.join(asr_dir, "checkpoint_best.pt")
     windows = contributions(data, asr, os.path.join(asr_dir, "contributions"), sizes["dev"])
     print(f"| windows from the ASR encoder's contributions: {windows}")
@@ -214,7 +224,9 @@ def main():
         )
         cmd = train_command(data, "st", save_dir, st_windows, sizes["st_epochs"], pretrained=asr)
         st_runs[name] = (save_dir, st_windows, cmd)
-    train_side_by_side([(f"ST {n}", cmd, d) for n, (d, _, cmd) in st_runs.items()])
+    train_side_by_side(
+        [(f"ST {n}", cmd, d) for n, (d, _, cmd) in st_runs.items()], sizes["st_epochs"]
+    )
     st_baseline = os.path.join(st_runs["global"][0], "checkpoint_best.pt")
     compared = os.path.join(asr_dir, "contributions_asr_vs_st")
     contributions(data, asr, compared, sizes["dev"], st_checkpoint=st_baseline)

@@ -68,6 +68,9 @@ def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     compared = json.loads((asr_dir / "contributions_asr_vs_st" / "contributions.json").read_text())
     assert compared["compare"]["subset"] == "dev_st" and len(compared["compare"]["layers"]) == 6
     assert "ctc_loss" in (asr_dir / "train.log").read_text()  # ASR trains with fairseq's CTC
+    # not a terminal: plain progress lines while the ASR and the two ST models train
+    for run in ("ASR", "ST global", "ST local"):
+        assert re.search(rf"^\| progress \| {run}: epoch \d+ \| updates", out.stdout, re.M), run
     local_dir = asr_dir / f"st_local_e1_w{windows.replace(',', '-')}"
     st_log = (local_dir / "train.log").read_text()
     assert (
