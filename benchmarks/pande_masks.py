@@ -19,6 +19,14 @@ resident set (``resource.getrusage``) over one forward + backward, after a warm-
 sequence; times are medians over --repeats forward + backward passes, wall-clock and CPU time
 (all threads; steadier than wall-clock on a machine shared with other processes). Ratios are
 taken between cases of the same run.
+
+    python benchmarks/pande_masks.py --short-sequences [--lengths 8 16 32 48 64 128]
+
+The other side: sentence-length sequences, where the T x T matrices are small. One layer of
+``transformer_local_tied`` (Pande et al. config (i), every head a mask, Wq/Wk tied), batches of
+--batch-tokens tokens, dropout 0.1, forward + backward, both paths timed in turns in one process:
+the band path and the explicit one. A layer takes the band path from
+``BAND_LSE_MIN_KEYS`` keys on; the last column says which path it takes at each length.
 """
 
 import argparse
@@ -31,7 +39,8 @@ import time
 
 import torch
 
-from local_attn_fairseq.locality.spec import HeadSpec
+from local_attn_fairseq.locality.spec import HeadSpec, LocalitySpec
+from local_attn_fairseq.modules import local_multihead_attention
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
 
 CASES = {  # name: (mask of every head, banded_kernel)
@@ -44,6 +53,7 @@ CASES = {  # name: (mask of every head, banded_kernel)
 # probabilities and their gradients): about 4.2 of them measured at T = 2000.
 EXPLICIT_MATRICES = 4.5
 MiB = 2**20
+SHORT_LENGTHS = [8, 16, 32, 48, 64, 128]  # --short-sequences: sentence lengths in tokens
 
 
 def max_rss_bytes() -> int:
@@ -123,6 +133,46 @@ def print_table(results, lengths, cases):
             )
 
 
+def config_i_layer(embed_dim, heads):
+    """Layer 0 of Pande et al.'s config (i) (``transformer_local_tied``'s encoder), its ties bound."""
+    spec = LocalitySpec("1loc7tied-all6", {"encoder_self": 1}, {"encoder_self": heads})
+    specs = spec.heads("encoder_self", 0)
+    torch.manual_seed(0)
+    attn = LocalMultiheadAttention(
+        embed_dim, heads, head_specs=specs, self_attention=True, dropout=0.1
+    )
+    attn.bind_qk_owners([attn])
+    return attn.train()
+
+
+def short_sequences(args):
+    """Band path against the explicit one at sentence lengths, timed in turns in this process."""
+    attn = config_i_layer(args.embed_dim, args.heads)
+    default_threshold = local_multihead_attention.BAND_LSE_MIN_KEYS
+    print(
+        f"config (i) layer, {args.heads} heads, embed {args.embed_dim}, {args.batch_tokens} "
+        f"tokens a batch, float32, forward + backward, {torch.get_num_threads()} threads"
+    )
+    print("| T | batch | band path ms | explicit ms | explicit / band | default path |")
+    print("|---|---|---|---|---|---|")
+    for length in args.lengths:
+        batch = max(1, args.batch_tokens // length)
+        x = torch.randn(length, batch, args.embed_dim, requires_grad=True)
+        times = {True: [], False: []}
+        for _ in range(args.repeats + 2):  # the first two passes of each path warm up
+            for band in (True, False):
+                attn.banded_kernel = band
+                local_multihead_attention.BAND_LSE_MIN_KEYS = 0
+                times[band].append(forward_backward(attn, x)[0])
+        local_multihead_attention.BAND_LSE_MIN_KEYS = default_threshold
+        band, explicit = (statistics.median(times[b][2:]) for b in (True, False))
+        default = "band" if length >= default_threshold else "explicit"
+        print(
+            f"| {length} | {batch} | {band * 1e3:.1f} | {explicit * 1e3:.1f} "
+            f"| {explicit / band:.2f}x | {default} |"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000, 8000])
@@ -135,10 +185,24 @@ def main():
         "--explicit-limit-gb", type=float, default=8.0,
         help="skip the explicit path where its T x T tensors would exceed this",
     )  # fmt: skip
+    parser.add_argument(
+        "--short-sequences", action="store_true",
+        help="sentence lengths instead: a config (i) layer, band path vs explicit path",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch-tokens", type=int, default=2048, help="--short-sequences: tokens per batch"
+    )
     parser.add_argument("--run-case", choices=sorted(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.heads < 1 or args.embed_dim % args.heads:
         parser.error("--embed-dim must be a positive multiple of --heads")
+    if args.short_sequences:
+        if args.lengths == parser.get_default("lengths"):
+            args.lengths = SHORT_LENGTHS
+        args.embed_dim = 128 if args.embed_dim == parser.get_default("embed_dim") else args.embed_dim
+        args.repeats = max(args.repeats, 5)
+        short_sequences(args)
+        return
     if args.run_case:  # the child process of one measurement
         result = run_case(
             args.run_case, args.lengths[0], args.heads, args.embed_dim, args.batch, args.repeats

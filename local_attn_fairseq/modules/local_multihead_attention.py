@@ -57,6 +57,13 @@ from ..ops.banded_attention import banded_attention
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
+# Below this many keys the T x T matrices of Pande's masks are small, and one dense pass beats
+# the band and log-sum-exp kernels: for forward + backward of a config (i) layer at the demo's
+# sizes (128 dims, 8 heads, ~2k tokens a batch) on a 2-core CPU, the dense pass took 0.29x the
+# band path's time at T = 8, 0.61x at 32, 1.41x at 48 and 4.1x at 128 (benchmarks/pande_masks.py
+# --short-sequences). Both paths give the same outputs.
+BAND_LSE_MIN_KEYS = 48
+
 
 @with_incremental_state
 class LocalMultiheadAttention(nn.Module):
@@ -494,9 +501,11 @@ class LocalMultiheadAttention(nn.Module):
 
     def _can_use_band_lse(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
         """Pande's band heads (with local and global heads beside them): each kind of head
-        runs on its own T x T-free path."""
-        return self.has_head_masks and self._needs_no_matrix(
-            need_weights, before_softmax, tgt_len, src_len, attn_mask
+        runs on its own T x T-free path, once sequences are long enough for it to pay."""
+        return (
+            self.has_head_masks
+            and src_len >= BAND_LSE_MIN_KEYS
+            and self._needs_no_matrix(need_weights, before_softmax, tgt_len, src_len, attn_mask)
         )
 
     def _attention_dropout_p(self) -> float:

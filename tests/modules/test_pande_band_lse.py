@@ -72,6 +72,12 @@ def assert_paths_agree(attn, x, dtype, **kw):
     return new[0]
 
 
+@pytest.fixture(autouse=True)
+def band_path_at_every_length(monkeypatch):
+    """These short sequences take the band path too (by default it starts at longer ones)."""
+    monkeypatch.setattr(attention_module, "BAND_LSE_MIN_KEYS", 0)
+
+
 @pytest.fixture(params=["cpu-flash", "blocked"])
 def lse_route(request, monkeypatch):
     """The log-sum-exp over all keys through PyTorch's CPU flash attention, or per block."""
@@ -230,3 +236,15 @@ def test_model_with_band_heads_equals_the_explicit_path_and_decodes_incrementall
     for attn in attentions:
         attn.banded_kernel = True
     assert_incremental_decoding_matches_full_forward(model, task)
+
+
+def test_short_sequences_take_the_dense_path_by_default(band_calls, monkeypatch):
+    """Below BAND_LSE_MIN_KEYS keys the dense masks are cheaper; both paths agree."""
+    monkeypatch.setattr(attention_module, "BAND_LSE_MIN_KEYS", 12)
+    attn = attention(LAYOUTS["tied"])
+    for length, band_path in ((11, False), (12, True)):
+        x = torch.randn(length, 2, E)
+        band_calls.clear()
+        out = assert_paths_agree(attn, x, torch.float32)
+        assert band_calls == ([1] if band_path else [])
+        assert torch.isfinite(out).all()
