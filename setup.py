@@ -88,7 +88,10 @@ setup(
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
     entry_points={
-        "console_scripts": ["local-attn-analyze = local_attn_fairseq.analysis.cli:main"],
+        "console_scripts": [
+            "local-attn-analyze = local_attn_fairseq.analysis.cli:main",
+            "local-attn-recipe = local_attn_fairseq.recipes.cli:main",
+        ],
     },
     install_requires=[
         "fairseq-fixed",

@@ -38,7 +38,6 @@ import logging
 import os
 import statistics
 import sys
-import time
 
 # Before torch starts its OpenMP pool: idle workers then wait passively instead of spinning. On a
 # machine shared with other processes, spinning workers take the cores that the working threads
@@ -50,6 +49,7 @@ if "--spin" not in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from local_attn_fairseq.experiments.measurement import one_call, peak_bytes, timed  # noqa: E402
 from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
 from local_attn_fairseq.ops import banded_attention, extension_info  # noqa: E402
 
@@ -119,57 +119,6 @@ def make_runners(length, width, device, impl, backward):
         else:
             runners["flex"] = (flex, 0)
     return runners, notes
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def one_call(fn, inputs, backward):
-    if not backward:
-        with torch.no_grad():
-            fn(*inputs)
-        return
-    out = fn(*inputs)
-    out.backward(torch.ones_like(out))
-    for t in inputs:
-        t.grad = None
-
-
-def timed(fn, inputs, backward):
-    device = inputs[0].device if inputs else torch.device("cpu")
-    synchronize(device)
-    start = time.perf_counter()
-    one_call(fn, inputs, backward)
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def peak_bytes(fn, inputs, backward):
-    """Peak of torch's allocations during one call, above what was live before it."""
-    device = inputs[0].device
-    if device.type == "cuda":
-        synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        one_call(fn, inputs, backward)
-        synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        one_call(fn, inputs, backward)
-    # The raw allocation events (+bytes, -bytes on free), in time order, CPU only.
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
-    live = peak = 0
-    for _, change in events:
-        live += change
-        peak = max(peak, live)
-    return peak
 
 
 def matmul_peak_gflops(device, dtype, repeats=5):

@@ -14,17 +14,13 @@ import argparse
 import io
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
+from fairseq import options, tasks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import local_attn_fairseq  # noqa: E402,F401  (registers the plugin)
-from fairseq import options, tasks  # noqa: E402
+import local_attn_fairseq  # noqa: F401  (registers the plugin)
 
 BASE = "--arch transformer_local -s de -t en --encoder-layers 6 --encoder-attention-heads 8".split()
 

@@ -14,11 +14,12 @@ the paper's dropout 0.1.
 Time: one forward + backward of the encoder (loss: sum of the outputs), the median of --rounds
 rounds, the two models alternating within each round so that load from other processes on a
 shared machine hits them alike. Memory: the peak of the bytes torch allocates during one
-forward + backward (CPU: from the allocation events of torch's profiler, as
-benchmarks/banded_attention.py measures it; CUDA: torch.cuda.max_memory_allocated), above what
-was live before. The FLOP ceiling is the ratio of the two encoders' matrix-product operations
-(convolutions, projections, attention products): the most the speed-up can be where those
-products bound the speed. Target: local >= 1.5x faster than global at 60 s.
+forward + backward (CPU: from the allocation events of torch's profiler; CUDA:
+torch.cuda.max_memory_allocated), above what was live before, measured as
+benchmarks/banded_attention.py measures it (``local_attn_fairseq.experiments.measurement``).
+The FLOP ceiling is the ratio of the two encoders' matrix-product operations (convolutions,
+projections, attention products): the most the speed-up can be where those products bound the
+speed. Target: local >= 1.5x faster than global at 60 s.
 """
 
 import argparse
@@ -33,16 +34,10 @@ if "--spin" not in sys.argv:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-from banded_attention import peak_bytes  # noqa: E402
 from fairseq.data import Dictionary  # noqa: E402
 
+from local_attn_fairseq.experiments.measurement import peak_bytes  # noqa: E402
 from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
-
 from local_attn_fairseq.models.s2t_transformer_local import (  # noqa: E402
     PAPER_WINDOWS,
     S2TTransformerLocalModel,
@@ -89,13 +84,6 @@ def timed_step(encoder, features, lengths):
 
 
 def peak_memory(encoder, features, lengths):
-    if features.is_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step(encoder, features, lengths)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
     # peak_bytes runs fn(*inputs).backward(ones): the loss is already a scalar.
     peak = peak_bytes(lambda f: encoder_loss(encoder, f, lengths), (features,), backward=True)
     encoder.zero_grad(set_to_none=True)

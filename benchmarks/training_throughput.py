@@ -37,18 +37,15 @@ speed, as they do on a CPU. The differentiable window's pointer and local projec
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
+from fairseq import options, tasks, utils
 from torch.utils.flop_counter import FlopCounterMode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-sys.path.insert(0, ROOT)
+from local_attn_fairseq.experiments import demo  # the demo's data preparation and model sizes
 
-import demo  # noqa: E402  (the demo's data preparation and model sizes)
-from fairseq import options, tasks, utils  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TARGETS = {"dynwin": 0.90, "transformer_dynwin": 0.90}
 DEFAULT_TARGET = 0.95

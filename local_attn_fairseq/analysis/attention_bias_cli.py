@@ -8,54 +8,36 @@ scores. Without ``--conllu``/``--spacy-model`` only the locality bias is compute
 """
 
 from .attention_bias import MAP_THRESHOLD, THRESHOLDS, BiasScores, fraction_above, sentence_bias
-from .dependencies import SourceSyntax, source_token_sets
-from .loading import (
-    AnalysisInputError,
-    reports_input_errors,
-    add_common_arguments,
-    encoder_self_attention_modules,
-    attention_weights,
-    head_numbers,
-    load_model,
-    read_sentences,
-)
+from .dependencies import TokenSetSentences
+from .loading import add_common_arguments, attention_weights, head_numbers
 from .output import SET_COLOURS, format_table, pyplot, save_figure, write_json
 
 HELP = "attention bias of encoder heads towards local and syntactically related tokens (Eq. 8)"
-BIAS_SETS = ("local", "syntactic")
 NO_SYNTAX_NOTE = (
     "no --conllu or --spacy-model: only the locality bias is computed (syntactic relations "
     "unknown)"
 )
+BIAS_SETS = ("local", "syntactic")
 
 
 def add_arguments(parser):
     add_common_arguments(parser, max_sentences=1000)
 
 
-@reports_input_errors
 def run(args):
-    loaded = load_model(args.path, args.data, cpu=args.cpu)
-    syntax = SourceSyntax.from_args(args)
-    modules = encoder_self_attention_modules(loaded, args.path)
+    sentences = TokenSetSentences(args)
+    model = sentences.loaded.model
     accumulated = BiasScores()
-    sentences = 0
-    for sentence in read_sentences(loaded, args):
-        found = source_token_sets(sentence, syntax)
-        if found is None:
-            continue
-        positions, sets = found
-        sentences += 1
-        weights = attention_weights(loaded.model, sentence.sample, types=("encoder_self",))
+    for sentence, positions, sets in sentences:
+        weights = attention_weights(model, sentence.sample, types=("encoder_self",))
         for (kind, layer), head_weights in weights.items():
             head_weights = head_weights[:, positions][:, :, positions]
             for name in BIAS_SETS:
                 if name in sets:
                     accumulated.add(layer, name, *sentence_bias(head_weights, sets[name]))
-    if sentences == 0:
-        raise AnalysisInputError("no sentence could be analysed (see the warnings above)")
+    syntax = sentences.syntax
     names = [n for n in BIAS_SETS if syntax is not None or n == "local"]
-    result = summarise(args, modules, accumulated, names, sentences, syntax)
+    result = summarise(args, sentences.modules, accumulated, names, sentences.count, syntax)
     write_json(args.output_dir, "bias.json", result)
     plot_thresholds(result, args.output_dir)
     plot_head_map(result, args.output_dir)

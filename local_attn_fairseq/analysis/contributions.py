@@ -50,6 +50,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .loading import self_attention
+
 DEFAULT_THRESHOLD = 0.01  # the paper's t
 # Tables 1, 3 and 4 of the paper: the layers it keeps global have CL >= 0.27, those it makes
 # local CL <= 0.24.
@@ -227,34 +229,12 @@ def head_values(attention, normed: Tensor) -> Tensor:
     return torch.einsum("tbhk,dhk->bhtd", values, w_out)
 
 
-def per_head_weights(attention, normed: Tensor, padding_mask: Optional[Tensor]) -> Tensor:
-    """A^h (H, B, T, T) from the module's own explicit path (``need_head_weights``)."""
-    # fairseq's MultiheadAttention hands self-attention to PyTorch's fused function, which
-    # averages the heads; the flag it keeps for pruned modules sends it down its own path.
-    fused_escape = hasattr(attention, "skip_embed_dim_check")
-    saved = getattr(attention, "skip_embed_dim_check", None)
-    if fused_escape:
-        attention.skip_embed_dim_check = True
-    try:
-        _, weights = attention(
-            query=normed,
-            key=normed,
-            value=normed,
-            key_padding_mask=padding_mask,
-            need_weights=True,
-            need_head_weights=True,
-        )
-    finally:
-        if fused_escape:
-            attention.skip_embed_dim_check = saved
-    return weights
-
-
 def layer_pieces(layer, inputs: Tensor, padding_mask: Optional[Tensor]) -> List[SentencePieces]:
     """Each sentence's pieces of one pre-LN encoder layer, from the layer's input (T, B, d)."""
     attention = layer.self_attn
     normed = layer.self_attn_layer_norm(inputs)
-    weights = per_head_weights(attention, normed, padding_mask)
+    # A^h (H, B, T, T) from the module's own explicit path
+    _, weights = self_attention(attention, normed, padding_mask, head_weights=True)
     values = head_values(attention, normed)
     pieces = []
     for b in range(inputs.shape[1]):

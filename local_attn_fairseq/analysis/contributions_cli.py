@@ -17,24 +17,28 @@ the chosen windows outlined) and ``ccd.png`` (CCD per layer, both models).
 import os
 import random
 
-import torch
+import numpy as np
 from tqdm import tqdm
 
 from ..file_safety import atomic_write_text
 from . import contributions as contrib
-from .loading import AnalysisInputError, reports_input_errors
+from .loading import (
+    AnalysisInputError,
+    add_checkpoint_arguments,
+    add_output_arguments,
+    load_model,
+    load_subset,
+)
 from .output import output_path, pyplot, save_figure, write_json
 
 HELP = "contributions of encoder self-attention (Alastruey et al.): windows, CL and CCD per layer"
 
 
 def add_arguments(parser):
-    parser.add_argument("--path", required=True, help="fairseq checkpoint to analyse")
-    parser.add_argument("--data", required=True, help="the task's data directory")
+    add_checkpoint_arguments(parser, gen_subset="dev_asr", data_required=True)
     parser.add_argument(
         "--config-yaml", help="speech_to_text: the data config (e.g. config_asr.yaml)"
     )
-    parser.add_argument("--gen-subset", default="dev_asr", help="subset to sample sentences from")
     parser.add_argument("--label", default="ASR", help="name of the model in plots and tables")
     parser.add_argument("--compare-path", help="a second checkpoint (e.g. the ST model)")
     parser.add_argument("--compare-data", help="its data directory (default: --data)")
@@ -76,16 +80,13 @@ def add_arguments(parser):
         default=0,
         help="which sampled sentence contribution_matrices.png shows (its position in the sample)",
     )
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--cpu", action="store_true", help="run on the CPU even with a GPU")
+    add_output_arguments(parser, output_dir=None)
 
 
-@reports_input_errors
 def run(args):
     if args.num_sentences < 1:
         raise AnalysisInputError(f"--num-sentences must be >= 1, got {args.num_sentences}")
-    device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
-    primary = analyse(args.path, args.data, args.config_yaml, args.gen_subset, args, device)
+    primary = analyse(args.path, args.data, args.config_yaml, args.gen_subset, args)
     chosen = contrib.choose_windows(
         primary["layers"], args.max_contribution_loss, args.global_layers
     )
@@ -108,7 +109,6 @@ def run(args):
             args.compare_config_yaml,
             args.compare_gen_subset,
             args,
-            device,
         )
         compared["label"] = args.compare_label
         print_table(compared)
@@ -125,30 +125,10 @@ def run(args):
     return 0
 
 
-def load(path, data, config_yaml, device):
-    """The model and task of a checkpoint, reading data from ``data`` (and ``config_yaml``)."""
-    from fairseq import checkpoint_utils
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--path: no checkpoint file {path}")
-    overrides = {"data": data}
-    if config_yaml:
-        if not os.path.isfile(os.path.join(data, config_yaml)) and not os.path.isfile(config_yaml):
-            raise FileNotFoundError(f"--config-yaml: no file {config_yaml} in {data}")
-        overrides["config_yaml"] = config_yaml
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=overrides)
-    model = models[0].to(device).eval()
-    return model, task
-
-
 def sample_batches(task, subset, num_sentences, seed, batch_size):
     """A seeded random sample of the subset, batched in order of length (little padding);
     also returns the sample's dataset indices in drawn order."""
-    try:
-        task.load_dataset(subset)
-    except FileNotFoundError as e:
-        raise AnalysisInputError(f"cannot load subset {subset!r}: {e}") from None
-    dataset = task.dataset(subset)
+    dataset = load_subset(task, subset)
     if len(dataset) == 0:
         raise AnalysisInputError(f"subset {subset!r} is empty")
     drawn = random.Random(seed).sample(range(len(dataset)), min(num_sentences, len(dataset)))
@@ -157,19 +137,21 @@ def sample_batches(task, subset, num_sentences, seed, batch_size):
     return dataset, chunks, drawn
 
 
-def analyse(path, data, config_yaml, subset, args, device):
+def analyse(path, data, config_yaml, subset, args):
     """Per-layer statistics of one checkpoint over the sample, plus one sentence for the plot."""
-    model, task = load(path, data, config_yaml, device)
+    loaded = load_model(path, data, cpu=args.cpu, config_yaml=config_yaml)
     dataset, chunks, drawn = sample_batches(
-        task, subset, args.num_sentences, args.seed, args.batch_size
+        loaded.task, subset, args.num_sentences, args.seed, args.batch_size
     )
     plotted = drawn[min(max(args.plot_sentence, 0), len(drawn) - 1)]
     layers, plot = None, None
     progress = tqdm(total=len(drawn), desc=f"contributions {os.path.basename(path)}", unit="sent")
     for chunk in chunks:
         batch = dataset.collater([dataset[i] for i in chunk])
-        net_input = {k: v.to(device) for k, v in batch["net_input"].items() if k.startswith("src")}
-        pieces = contrib.encoder_pieces(model, net_input)
+        net_input = {
+            k: v.to(loaded.device) for k, v in batch["net_input"].items() if k.startswith("src")
+        }
+        pieces = contrib.encoder_pieces(loaded.model, net_input)
         layers = layers or [contrib.LayerSample(args.window_width_convention) for _ in pieces]
         for layer, sample, per_sentence in zip(range(len(pieces)), layers, pieces):
             for position, sentence in enumerate(per_sentence):
@@ -220,8 +202,6 @@ def print_table(results):
 def plot_matrices(plot, windows, output_dir):
     """Figure 4: each layer's contribution matrix of one sentence, main diagonal hidden (it
     holds most of every row and would wash out the rest), the layer's window outlined."""
-    import numpy as np
-
     plt = pyplot()
     matrices = plot["matrices"]
     cols = min(4, len(matrices))

@@ -9,6 +9,9 @@
     syntax = SourceSyntax.from_args(args)     # --conllu FILE or --spacy-model NAME, else None
     pairs = syntax.relations(sentence)        # a loading.Sentence; None if it did not align
 
+    sentences = TokenSetSentences(args)       # the model and parses the common options name
+    for sentence, positions, sets in sentences:   # sets: token_sets() of the pieces at positions
+
 CoNLL-U (https://universaldependencies.org/format.html): ten tab-separated fields per word
 line, sentences separated by blank lines, ``#`` comments. A multiword token (ID ``a-b``, e.g.
 German "vom" = "von" + "dem") is one surface token spelling the syntactic words a..b; empty
@@ -40,11 +43,17 @@ import os
 import re
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .loading import AnalysisInputError
+from .loading import (
+    AnalysisInputError,
+    Sentence,
+    encoder_self_attention_modules,
+    load_model,
+    read_sentences,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -410,3 +419,27 @@ def source_token_sets(
         index = torch.tensor(positions)
         related = related_matrix(pairs, len(sentence.source_pieces))[index][:, index]
     return positions, token_sets(len(positions), related)
+
+
+class TokenSetSentences:
+    """What Pande et al.'s analyses (``sensitivity``, ``bias``) read, as the common options
+    name it: the model, its encoder self-attention modules, the source parses (None without
+    ``--conllu``/``--spacy-model``) and, iterated, every sentence with its source positions and
+    token sets (:func:`source_token_sets`). Sentences whose parse does not align are left out;
+    none left is an error. ``count``: the sentences analysed so far."""
+
+    def __init__(self, args):
+        self.args = args
+        self.loaded = load_model(args.path, args.data, cpu=args.cpu)
+        self.syntax = SourceSyntax.from_args(args)
+        self.modules = encoder_self_attention_modules(self.loaded, args.path)
+        self.count = 0
+
+    def __iter__(self) -> Iterator[Tuple[Sentence, List[int], Dict[str, torch.Tensor]]]:
+        for sentence in read_sentences(self.loaded, self.args):
+            found = source_token_sets(sentence, self.syntax)
+            if found is not None:
+                self.count += 1
+                yield (sentence, *found)
+        if self.count == 0:
+            raise AnalysisInputError("no sentence could be analysed (see the warnings above)")

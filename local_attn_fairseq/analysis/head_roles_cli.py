@@ -17,6 +17,8 @@ the definitions and ``lrp.py`` for the relevance rules.
 import logging
 from typing import Dict
 
+import numpy as np
+
 from .dependencies import SourceSyntax
 from .head_roles import ROLES, HeadStatistics, Thresholds, role_label
 from .loading import (
@@ -27,7 +29,6 @@ from .loading import (
     head_numbers,
     load_model,
     read_sentences,
-    reports_input_errors,
 )
 from .lrp import RULES, HeadRelevance, Rule, attention_weights, propagate_relevance, record_forward
 from .output import format_table, pyplot, save_figure, write_json
@@ -38,6 +39,19 @@ HELP = "confidence, LRP relevance and roles (positional, syntactic, rare words) 
 # Voita et al.'s colours: positional purple, syntactic green, rare words orange.
 ROLE_COLOURS = {"positional": "#8e44ad", "syntactic": "#27ae60", "rare words": "#e67e22"}
 NO_ROLE_COLOUR = "#d5d8dc"
+# option -> (the field of head_roles.Thresholds it sets, and whose default it takes; help)
+THRESHOLD_OPTIONS = {
+    "--positional-threshold": ("positional", "least share of a head's choices at one relative "
+                               "position for the positional role"),
+    "--syntactic-margin": ("syntactic_margin", "least accuracy above the positional baseline "
+                           "for the syntactic role"),
+    "--min-relation-queries": ("min_relation_queries", "least number of query tokens in a "
+                               "relation for its accuracy to count"),
+    "--rare-threshold": ("rare", "least share of choices on the sentence's rarest token for the "
+                         "rare-words role"),
+    "--rare-top-n": ("rare_top_n", "sentences whose rarest token is among the N most frequent "
+                     "are left out of the rare-words measure"),
+}  # fmt: skip
 
 
 def add_arguments(parser):
@@ -59,48 +73,19 @@ def add_arguments(parser):
     )
     group.add_argument(
         "--lrp-alpha",
-        type=float,
         default=Rule.alpha,
+        type=float,
         help="alpha-beta: the part of the relevance shared by positive contributions",
     )
     group.add_argument(
         "--no-relevance", action="store_true", help="skip LRP (faster: confidence and roles)"
     )
     defaults = Thresholds()
-    group.add_argument(
-        "--positional-threshold",
-        type=float,
-        default=defaults.positional,
-        help="least share of a head's choices at one relative position for the positional role",
-    )
-    group.add_argument(
-        "--syntactic-margin",
-        type=float,
-        default=defaults.syntactic_margin,
-        help="least accuracy above the positional baseline for the syntactic role",
-    )
-    group.add_argument(
-        "--min-relation-queries",
-        type=int,
-        default=defaults.min_relation_queries,
-        help="least number of query tokens in a relation for its accuracy to count",
-    )
-    group.add_argument(
-        "--rare-threshold",
-        type=float,
-        default=defaults.rare,
-        help="least share of choices on the sentence's rarest token for the rare-words role",
-    )
-    group.add_argument(
-        "--rare-top-n",
-        type=int,
-        default=defaults.rare_top_n,
-        help="sentences whose rarest token is among the N most frequent are left out of the "
-        "rare-words measure",
-    )
+    for option, (field, text) in THRESHOLD_OPTIONS.items():
+        default = getattr(defaults, field)
+        group.add_argument(option, type=type(default), default=default, help=text)
 
 
-@reports_input_errors
 def run(args):
     try:
         thresholds = Thresholds(
@@ -271,7 +256,6 @@ def plot_heads(results: dict):
 
 
 def _plot_attention_type(row, kind: str, layers: list):
-    import numpy as np
     from matplotlib.colors import to_rgb
 
     width = max(len(layer["heads"]) for layer in layers)

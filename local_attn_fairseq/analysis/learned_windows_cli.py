@@ -17,13 +17,7 @@ from .learned_windows import (
     gaussian_attention_modules,
     gaussian_windows,
 )
-from .loading import (
-    AnalysisInputError,
-    reports_input_errors,
-    add_common_arguments,
-    load_model,
-    read_sentences,
-)
+from .loading import AnalysisInputError, add_common_arguments, load_model, read_sentences
 from .output import format_table, pyplot, save_figure, write_json
 
 HELP = (
@@ -47,7 +41,6 @@ def add_arguments(parser):
     add_common_arguments(parser, max_sentences=100)
 
 
-@reports_input_errors
 def run(args):
     loaded = load_model(args.path, args.data, cpu=args.cpu)
     model = loaded.model

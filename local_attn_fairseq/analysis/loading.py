@@ -40,11 +40,13 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
+import sentencepiece
 import torch
 from fairseq import checkpoint_utils
 from fairseq.data import LanguagePairDataset
 from fairseq.modules import MultiheadAttention
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from ..modules.local_multihead_attention import LocalMultiheadAttention
 
@@ -84,54 +86,75 @@ def reports_input_errors(run):
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, max_sentences: Optional[int] = 100):
-    """The options every ``local-attn-analyze`` subcommand takes."""
+    """The options of the subcommands that read sentences one at a time (``read_sentences``)."""
     group = parser.add_argument_group("model and sentences")
-    group.add_argument("--path", required=True, metavar="CHECKPOINT", help="checkpoint to analyse")
-    group.add_argument(
+    add_checkpoint_arguments(group)
+    add_sentence_arguments(group, max_sentences)
+    add_output_arguments(group)
+
+
+def add_checkpoint_arguments(parser, gen_subset: str = "test", data_required: bool = False):
+    """``--path``, ``--data`` and ``--gen-subset``: what ``load_model`` and ``load_subset`` read."""
+    parser.add_argument("--path", required=True, metavar="CHECKPOINT", help="checkpoint to analyse")
+    own_data = "" if data_required else "; default: the checkpoint's own"
+    parser.add_argument(
         "--data",
+        required=data_required,
         metavar="DIR",
-        help="fairseq binarised data (dict.*.txt and the subsets); default: the checkpoint's own",
+        help=f"the task's data directory (its dictionaries and subsets){own_data}",
     )
-    group.add_argument(
-        "--gen-subset", default="test", metavar="SPLIT", help="subset of --data to read"
+    parser.add_argument(
+        "--gen-subset", default=gen_subset, metavar="SPLIT", help="subset of --data to read"
     )
-    group.add_argument(
+
+
+def add_sentence_arguments(parser, max_sentences: Optional[int]):
+    """Where ``read_sentences`` and ``SourceSyntax.from_args`` find the sentences and parses."""
+    parser.add_argument(
         "--source-text",
         metavar="FILE",
         help="read source sentences from this text file (one a line) instead of --gen-subset",
     )
-    group.add_argument(
+    parser.add_argument(
         "--target-text",
         metavar="FILE",
         help="target sentences of --source-text, line by line (needed for decoder attention)",
     )
-    group.add_argument(
+    parser.add_argument(
         "--sentencepiece-model",
         metavar="FILE",
         help="sentencepiece model that encodes --source-text/--target-text (the model's own); "
         "without it the text is taken as already segmented, pieces separated by spaces",
     )
-    group.add_argument(
+    parser.add_argument(
         "--max-sentences",
         type=positive_int,
         default=max_sentences,
         metavar="N",
         help=f"analyse the first N sentences (default: {max_sentences or 'all'})",
     )
-    group.add_argument(
+    parser.add_argument(
         "--conllu",
         metavar="FILE",
         help="dependency parses of the source sentences, in their order (CoNLL-U)",
     )
-    group.add_argument(
+    parser.add_argument(
         "--spacy-model",
         metavar="NAME",
         help="parse --source-text with this installed spaCy model instead of --conllu",
     )
-    group.add_argument(
-        "--output-dir", default="analysis", metavar="DIR", help="where JSON and PNG files go"
+
+
+def add_output_arguments(parser, output_dir: Optional[str] = "analysis"):
+    """``--output-dir`` (required where ``output_dir`` is None) and ``--cpu``."""
+    parser.add_argument(
+        "--output-dir",
+        default=output_dir,
+        required=output_dir is None,
+        metavar="DIR",
+        help="where JSON and PNG files go",
     )
-    group.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is there")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is there")
 
 
 def positive_int(text: str) -> int:
@@ -169,9 +192,12 @@ class Sentence:
     sample: dict
 
 
-def load_model(path: str, data: Optional[str] = None, cpu: bool = False) -> LoadedModel:
+def load_model(
+    path: str, data: Optional[str] = None, cpu: bool = False, config_yaml: Optional[str] = None
+) -> LoadedModel:
     """The checkpoint's model in eval mode, and its task (dictionaries from ``data``, or from
-    the data directory the checkpoint was trained on)."""
+    the data directory the checkpoint was trained on; a speech task's data config
+    ``config_yaml``, in ``data`` or a path of its own)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--path: no checkpoint file {path}")
     overrides = {}
@@ -180,13 +206,16 @@ def load_model(path: str, data: Optional[str] = None, cpu: bool = False) -> Load
             raise FileNotFoundError(f"--data: no directory {data}")
         overrides["data"] = data
     else:
-        saved = checkpoint_utils.load_checkpoint_to_cpu(path)
-        saved_data = _saved_data_dir(saved)
-        if saved_data is None or not all(os.path.isdir(d) for d in saved_data.split(":")):
+        data = _saved_data_dir(checkpoint_utils.load_checkpoint_to_cpu(path))
+        if data is None or not all(os.path.isdir(d) for d in data.split(":")):
             raise FileNotFoundError(
-                f"{path} was trained on data directory {saved_data!r}, which is not here; "
+                f"{path} was trained on data directory {data!r}, which is not here; "
                 "pass --data DIR (the directory holding the model's dict.*.txt)"
             )
+    if config_yaml:
+        if not any(os.path.isfile(f) for f in (os.path.join(data, config_yaml), config_yaml)):
+            raise FileNotFoundError(f"--config-yaml: no file {config_yaml} in {data}")
+        overrides["config_yaml"] = config_yaml
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([path], overrides)
     device = torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
     model = models[0].to(device).eval()
@@ -206,7 +235,10 @@ def read_sentences(loaded: LoadedModel, args, progress: bool = True) -> Iterator
     """The sentences the common options name, in data order, with a progress bar."""
     if args.target_text and not args.source_text:
         raise AnalysisInputError("--target-text needs --source-text")
-    dataset = text_dataset(loaded, args) if args.source_text else subset_dataset(loaded, args)
+    if args.source_text:
+        dataset = text_dataset(loaded, args)
+    else:
+        dataset = load_subset(loaded.task, args.gen_subset)
     count = len(dataset) if args.max_sentences is None else min(len(dataset), args.max_sentences)
     bar = _progress(range(count), progress)
     for index in bar:
@@ -216,20 +248,17 @@ def read_sentences(loaded: LoadedModel, args, progress: bool = True) -> Iterator
 def _progress(items, enabled: bool):
     if not enabled:
         return items
-    from tqdm import tqdm
-
     # disable=None: a bar on a terminal, nothing in logs and pipes
     return tqdm(items, desc="sentences", unit="sent", disable=None)
 
 
-def subset_dataset(loaded: LoadedModel, args):
+def load_subset(task, subset: str):
+    """The task's dataset of ``subset``, or a one-line error naming it."""
     try:
-        loaded.task.load_dataset(args.gen_subset)
+        task.load_dataset(subset)
     except FileNotFoundError as error:
-        raise FileNotFoundError(
-            f"--gen-subset {args.gen_subset}: not found in the data directory ({error})"
-        ) from error
-    return loaded.task.dataset(args.gen_subset)
+        raise AnalysisInputError(f"cannot load subset {subset!r}: {error}") from None
+    return task.dataset(subset)
 
 
 def text_dataset(loaded: LoadedModel, args) -> LanguagePairDataset:
@@ -265,8 +294,6 @@ def piece_encoder(model_file: Optional[str]):
         return str.split
     if not os.path.isfile(model_file):
         raise FileNotFoundError(f"--sentencepiece-model: no file {model_file}")
-    import sentencepiece
-
     processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
     return lambda line: processor.encode(line, out_type=str)
 
@@ -404,30 +431,52 @@ def attention_weights(
         weights = output[1]  # (heads, bsz, tgt, src)
         recorded[key] = weights.detach().float().transpose(0, 1).cpu()
 
-    with attention_hooks(model, ask_for_head_weights, keep, types), _slow_path(model, types):
+    modules = attention_modules(model, types).values()
+    with attention_hooks(model, ask_for_head_weights, keep, types), explicit_path(modules):
         run_model(model, sample, types)
     single = sample["net_input"]["src_tokens"].size(0) == 1
     return {key: w[0] if single else w for key, w in recorded.items()}
 
 
 @contextlib.contextmanager
-def _slow_path(model: nn.Module, types):
+def explicit_path(modules):
     """fairseq's MultiheadAttention hands self-attention to PyTorch's fused function, which
     returns head-averaged weights whatever need_head_weights says; ``skip_embed_dim_check``
     (which only relaxes a shape assertion) keeps it on its own path, which does not."""
-    modules = [m for m in attention_modules(model, types).values() if _is_fairseq_attention(m)]
-    saved = [m.skip_embed_dim_check for m in modules]
+    fairseq_modules = [m for m in modules if _is_fairseq_attention(m)]
+    saved = [m.skip_embed_dim_check for m in fairseq_modules]
     try:
-        for module in modules:
+        for module in fairseq_modules:
             module.skip_embed_dim_check = True
         yield
     finally:
-        for module, value in zip(modules, saved):
+        for module, value in zip(fairseq_modules, saved):
             module.skip_embed_dim_check = value
 
 
 def _is_fairseq_attention(module: nn.Module) -> bool:
     return isinstance(module, MultiheadAttention) and hasattr(module, "skip_embed_dim_check")
+
+
+def self_attention(
+    module: nn.Module,
+    inputs: Tensor,
+    key_padding_mask: Optional[Tensor] = None,
+    attn_mask: Optional[Tensor] = None,
+    head_weights: bool = False,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """An attention module on ``inputs`` (len, bsz, dim) as the encoder layers call it: its
+    output and, with ``head_weights``, its per-head weights (heads, bsz, len, len)."""
+    with explicit_path([module] if head_weights else []):
+        return module(
+            query=inputs,
+            key=inputs,
+            value=inputs,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            need_weights=head_weights,
+            need_head_weights=head_weights,
+        )
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
-from .loading import AttentionCall
+from .loading import AttentionCall, self_attention
 
 # Elements of one chunk's largest activation (batch x heads x T x T or batch x T x dim).
 CHUNK_ELEMENTS = 2**24
@@ -52,14 +52,7 @@ def jacobian_norms(module: nn.Module, call: AttentionCall, chunk_elements=CHUNK_
         padding = call.key_padding_mask
         if padding is not None:
             padding = padding.expand(copies, length)
-        output, _ = module(
-            query=inputs,
-            key=inputs,
-            value=inputs,
-            key_padding_mask=padding,
-            need_weights=False,
-            attn_mask=call.attn_mask,
-        )
+        output, _ = self_attention(module, inputs, padding, call.attn_mask)
         position, feature = rows // dim, rows % dim
         chosen = output[position, torch.arange(copies, device=x.device), feature].sum()
         (gradient,) = torch.autograd.grad(chosen, inputs)  # (T, copies, dim)

@@ -9,16 +9,8 @@ local and non-local tokens are compared.
 
 from typing import Dict, List
 
-from .dependencies import SourceSyntax, source_token_sets
-from .loading import (
-    AnalysisInputError,
-    reports_input_errors,
-    add_common_arguments,
-    attention_inputs,
-    encoder_self_attention_modules,
-    load_model,
-    read_sentences,
-)
+from .dependencies import TokenSetSentences
+from .loading import add_common_arguments, attention_inputs
 from .output import SET_COLOURS, format_table, mean, median, pyplot, save_figure, write_json
 from .sensitivity import gammas, jacobian_norms
 
@@ -33,34 +25,23 @@ def add_arguments(parser):
     add_common_arguments(parser, max_sentences=100)
 
 
-@reports_input_errors
 def run(args):
-    loaded = load_model(args.path, args.data, cpu=args.cpu)
-    syntax = SourceSyntax.from_args(args)
-    modules = encoder_self_attention_modules(loaded, args.path)
-    per_layer: Dict[int, Dict[str, List[float]]] = {layer: {} for _, layer in modules}
-    sentences = 0
-    for sentence in read_sentences(loaded, args):
-        found = source_token_sets(sentence, syntax)
-        if found is None:
-            continue
-        positions, sets = found
-        sentences += 1
-        calls = attention_inputs(loaded.model, sentence.sample)
-        for (_, layer), module in modules.items():
+    sentences = TokenSetSentences(args)
+    per_layer: Dict[int, Dict[str, List[float]]] = {layer: {} for _, layer in sentences.modules}
+    for sentence, positions, sets in sentences:
+        calls = attention_inputs(sentences.loaded.model, sentence.sample)
+        for (_, layer), module in sentences.modules.items():
             beta = jacobian_norms(module, calls[("encoder_self", layer)])
             beta = beta[positions][:, positions]
             for name, value in gammas(beta, sets).items():
                 per_layer[layer].setdefault(name, [])
                 if value is not None:
                     per_layer[layer][name].append(value)
-    if sentences == 0:
-        raise AnalysisInputError("no sentence could be analysed (see the warnings above)")
-    result = summarise(args, per_layer, sentences, syntax)
+    result = summarise(args, per_layer, sentences.count, sentences.syntax)
     write_json(args.output_dir, "sensitivity.json", result)
     plot(result, args.output_dir)
     print(table(result))
-    if syntax is None:
+    if sentences.syntax is None:
         print(NO_SYNTAX_NOTE)
     print(f"wrote {args.output_dir}/sensitivity.json and sensitivity.png")
     return 0

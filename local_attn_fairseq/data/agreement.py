@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Build a subject-verb agreement classification set from the English side of the Ding corpus.
 
 Every sentence of ``scripts/prepare_ding.py``'s ``{train,valid,test}.en`` that holds an agreement

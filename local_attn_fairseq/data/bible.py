@@ -8,14 +8,17 @@ verses are paired by (book, chapter, verse), and whole books go to validation an
 no verse, nor any other verse of its book, is seen in training.
 """
 
+import argparse
 import html
 import os
 import re
 import shutil
 import statistics
 import subprocess
+import sys
 
-from ..file_safety import atomic_output
+from ..file_safety import atomic_write_text, claim_output_dir
+from .text import lines_text
 
 ENGLISH_MODULE = "engWEB2015eb"
 SPANISH_MODULE = "spaRV1909eb"
@@ -190,9 +193,7 @@ def write_splits(splits, out_dir, source="en", target="es"):
             "ref": [f"{book} {chapter}:{verse}" for (book, chapter, verse), _, _ in pairs],
         }
         for suffix, lines in columns.items():
-            with atomic_output(os.path.join(out_dir, f"{name}.{suffix}")) as temporary:
-                with open(temporary, "w", encoding="utf-8") as out:
-                    out.writelines(line + "\n" for line in lines)
+            atomic_write_text(os.path.join(out_dir, f"{name}.{suffix}"), lines_text(lines))
 
 
 def describe(splits):
@@ -203,3 +204,54 @@ def describe(splits):
         statistics.mean(len(p[side].split()) for p in pairs) if pairs else 0.0 for side in (1, 2)
     )
     return f"{len(pairs)} verse pairs ({sizes}), mean words per verse: en {en:.1f}, es {es:.1f}"
+
+
+def main(argv=None):
+    """``scripts/prepare_bible.py``: write ``{train,valid,test}.{en,es,ref}`` into --out-dir."""
+    parser = argparse.ArgumentParser(
+        description="Extract English-Spanish verse pairs from Debian's public-domain SWORD "
+        "Bibles (World English Bible, Reina-Valera 1909), whole books held out for valid/test."
+    )
+    parser.add_argument("--out-dir", required=True, help="directory for {train,valid,test}.{en,es}")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an --out-dir that holds other files (their split files are replaced)",
+    )
+    parser.add_argument("--max-train", type=int, help="keep the first N training pairs")
+    parser.add_argument("--valid-size", type=int, help="keep the first N validation pairs")
+    parser.add_argument("--test-size", type=int, help="keep the first N test pairs")
+    parser.add_argument(
+        "--books",
+        help="comma-separated books to read instead of the whole Bible (quick runs); "
+        "the held-out books among them still go to valid/test",
+    )
+    args = parser.parse_args(argv)
+    for option in ("max_train", "valid_size", "test_size"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1")
+    books = args.books.split(",") if args.books else None
+    try:
+        # the marker name stays that of the script, so folders written earlier stay ours
+        claim_output_dir(args.out_dir, "scripts/prepare_bible.py", args.overwrite)
+    except FileExistsError as error:
+        sys.exit(f"error: --out-dir: {error}")
+    try:
+        splits = split_by_book(read_corpus(books), max_train=args.max_train)
+    except (CorpusUnavailable, ValueError) as error:
+        sys.exit(f"error: {error}")
+    for name, size in (("valid", args.valid_size), ("test", args.test_size)):
+        splits[name] = splits[name][:size]
+    empty = [name for name, pairs in splits.items() if not pairs]
+    if empty:
+        sys.exit(
+            f"error: no verse pairs for {', '.join(empty)}: --books must include a held-out "
+            f"book for each split (valid: {', '.join(VALID_BOOKS)}; "
+            f"test: {', '.join(TEST_BOOKS)})"
+        )
+    write_splits(splits, args.out_dir)
+    print(f"| Bible en-es: {describe(splits)} -> {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Extract German-English sentence pairs from the Ding dictionary (Debian's ``trans-de-en``).
 
 Each dictionary line reads ``DE :: EN``; both sides split on `` | `` into aligned sub-entries,
@@ -16,7 +15,8 @@ import random
 import re
 import sys
 
-from local_attn_fairseq.file_safety import atomic_output
+from ..file_safety import atomic_write_text
+from .text import lines_text
 
 DEFAULT_SOURCE = "/usr/share/trans/de-en"
 _ANNOTATION = re.compile(r"\{[^}]*\}|\[[^\]]*\]|<[^>]*>")
@@ -80,9 +80,8 @@ def write_splits(splits, out_dir, src="de", tgt="en"):
     os.makedirs(out_dir, exist_ok=True)
     for name, pairs in splits.items():
         for side, lang in enumerate((src, tgt)):
-            with atomic_output(os.path.join(out_dir, f"{name}.{lang}")) as temporary:
-                with open(temporary, "w", encoding="utf-8") as out:
-                    out.writelines(pair[side] + "\n" for pair in pairs)
+            text = lines_text(pair[side] for pair in pairs)
+            atomic_write_text(os.path.join(out_dir, f"{name}.{lang}"), text)
 
 
 def main(argv=None):

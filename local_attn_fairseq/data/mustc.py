@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Prepare MuST-C, or any corpus in its layout, for fairseq's ``speech_to_text`` task.
 
 Reads ``ROOT/en-LANG/data/<split>/{wav/*.wav, txt/<split>.yaml, txt/<split>.en, txt/<split>.LANG}``
-(real MuST-C, or the synthetic corpus of ``synthesize_speech_corpus.py``), cuts every yaml
+(real MuST-C, or the synthetic corpus of ``speech_corpus.py``), cuts every yaml
 segment (``offset``/``duration`` in seconds inside its talk wav) and writes into ``--out-dir``
 (default ``ROOT/en-LANG``):
 
@@ -37,7 +36,7 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from local_attn_fairseq.file_safety import atomic_output, atomic_write_text, claim_output_dir
+from ..file_safety import atomic_output, atomic_write_text, claim_output_dir
 
 TOOL = "prepare_mustc"
 KNOWN_SPLITS = ("train", "dev", "tst-COMMON", "tst-HE")

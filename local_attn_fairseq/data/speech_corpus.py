@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Speak the English side of the Ding de-en sentence pairs: a synthetic corpus in MuST-C's layout.
 
-Sentence pairs come from Debian's Ding dictionary (``scripts/prepare_ding.py``); Debian's
+Sentence pairs come from Debian's Ding dictionary (``ding.py``); Debian's
 ``espeak-ng`` reads the English sentences aloud. Each talk gets one speaker (an English accent
 and a voice variant) and each utterance its own speed and pitch, all drawn from a seeded RNG, so
 the corpus is the same for a given seed whatever the number of workers. Audio is resampled to
@@ -34,10 +33,8 @@ from multiprocessing import Pool
 import numpy as np
 import soundfile as sf
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import prepare_ding  # noqa: E402
-
-from local_attn_fairseq.file_safety import (  # noqa: E402
+from . import ding
+from ..file_safety import (
     atomic_write_text,
     claim_output_dir,
     replace_own_dir,
@@ -46,7 +43,7 @@ from local_attn_fairseq.file_safety import (  # noqa: E402
 TOOL = "synthesize_speech_corpus"
 
 SAMPLE_RATE = 16_000
-# MuST-C split name -> the prepare_ding split its sentences come from.
+# MuST-C split name -> the Ding split its sentences come from.
 SPLITS = {"train": "train", "dev": "valid", "tst-COMMON": "test"}
 # espeak-ng's own English voices (the MBROLA ones need voice data Debian does not ship with it).
 ACCENTS = [
@@ -196,9 +193,9 @@ def load_pairs(args, sizes):
             "'apt-get install trans-de-en' or pass --source / --pairs-dir"
         )
     with open(args.source, encoding="utf-8") as f:
-        pairs = [p for p in prepare_ding.extract_pairs(f) if short_enough(p, args.max_words)]
+        pairs = [p for p in ding.extract_pairs(f) if short_enough(p, args.max_words)]
     try:
-        by_name = prepare_ding.split_pairs(
+        by_name = ding.split_pairs(
             pairs, sizes["tst-COMMON"], sizes["dev"], args.seed, sizes["train"]
         )
     except ValueError as e:
@@ -234,7 +231,7 @@ def main(argv=None):
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2, help="parallel synthesis processes")
-    parser.add_argument("--source", default=prepare_ding.DEFAULT_SOURCE, help="Ding dictionary")
+    parser.add_argument("--source", default=ding.DEFAULT_SOURCE, help="Ding dictionary")
     parser.add_argument(
         "--pairs-dir",
         help="read {train,valid,test}.{de,en} written by scripts/prepare_ding.py instead",

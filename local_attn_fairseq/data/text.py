@@ -1,7 +1,7 @@
 """Text corpora to fairseq's binary format: sentencepiece models, encoding, fairseq-preprocess.
 
-Shared by the demo (``scripts/demo.py``), the paper recipes (``scripts/recipes/``) and the small
-scale study, so that every one of them segments and binarises text the same way.
+Shared by the demos, the paper recipes and the small-scale study, so that every one of them
+segments and binarises text the same way.
 """
 
 import os
@@ -66,3 +66,8 @@ def preprocess_argv(source, target, prefixes, dest_dir, joined, workers=2):
 def has_binarised(dest_dir, split, source, target=None):
     name = f"{split}.{source}-{target}.{target}.bin" if target else f"{split}.bin"
     return os.path.exists(os.path.join(dest_dir, name))
+
+
+def lines_text(lines):
+    """One line per item, each ended by a newline, as the split files are written."""
+    return "".join(line + "\n" for line in lines)

@@ -1,11 +1,18 @@
-"""Experiment infrastructure behind the demos and the small-scale study.
+"""Experiment infrastructure: the demos, the small-scale study and what the benchmarks share.
 
-- ``bible``: the English-Spanish Bible corpus, read from Debian's SWORD modules and aligned by
-  verse reference, whole books held out for validation and test;
+- ``fairseq_runner``: fairseq's tools run in a child process (or in this one) with their output
+  in a log, fairseq-train runs side by side with one progress line each, and what an earlier
+  run has already done;
 - ``training_progress``: fairseq's JSON log lines parsed into a live line per training run
   (a progress bar on a terminal, plain periodic lines in logs), and the validation history;
-- ``study``: resumable training runs keyed by their settings, trained until validation loss
-  stops improving, and the study report with learning curves.
+- ``demo``: baseline against ``transformer_local_tied`` on Ding de-en or Bible en-es, and the
+  sizes, schedule and data preparation the other experiments share;
+- ``speech_demo``: windows from the contributions of an ASR encoder, used by a local ST model;
+- ``prune_demo``: encoder heads gated with the L0 penalty, pruned and scored per lambda;
+- ``study``, ``study_report``, ``small_scale_study``: resumable training runs keyed by their
+  settings, trained until validation loss stops improving, and the study report with learning
+  curves; ``fairseq_train``: fairseq-train with early stopping that survives a restart;
+- ``measurement``: timing and peak memory of one call, for the benchmarks.
 
-The scripts in ``scripts/`` parse their arguments and call these modules.
+The scripts in ``scripts/`` call the ``main`` of these modules.
 """

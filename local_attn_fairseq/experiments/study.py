@@ -13,17 +13,15 @@ import hashlib
 import json
 import math
 import os
-import re
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ..file_safety import atomic_output, atomic_write_text
-from .training_progress import ProgressDisplay, RunLog, Validation, json_log_options  # noqa: F401
+from .fairseq_runner import TrainingJob, train_side_by_side
+from .training_progress import RunLog, json_log_options
 
 # Options that set the budget or where things go, not what is trained.
 BUDGET_OPTIONS = {"--max-update": 1, "--max-epoch": 1, "--patience": 1, "--save-dir": 1}
@@ -117,91 +115,36 @@ def train_command(run, max_update, patience, log):
     ]  # fmt: skip
 
 
-def start(run, max_update, patience, threads):
-    """Start (or continue) one run's training; its log grows by one session."""
+def training_job(run, max_update, patience):
+    """The job that starts (or continues) one run's training; its log grows by one session."""
     os.makedirs(run.save_dir, exist_ok=True)
     settings = os.path.join(run.save_dir, "settings.json")
     if not os.path.exists(settings):
         atomic_write_text(settings, json.dumps({"name": run.name, "argv": run.argv}, indent=2))
-    log = run.log(max_update)
-    log.update()
-    cmd = train_command(run, max_update, patience, log)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    with open(run.log_path, "a", encoding="utf-8") as out:
-        out.write("$ " + " ".join(cmd) + "\n")
-        out.flush()
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    progress = run.log(max_update)
+    progress.update()  # the sessions so far: where this one resumes
+    command = train_command(run, max_update, patience, progress)
+    progress.label = f"{run.label} [{os.path.basename(run.save_dir)}]"
+    return TrainingJob(run.label, command, progress, append=True)
 
 
 def train_runs(runs, max_update, patience, jobs=1, display=None, poll=1.0):
     """Train every unfinished run, `jobs` at a time with the cores split between them,
     showing one progress line per run in training. Returns {save_dir: RunLog}."""
-    display = display or ProgressDisplay()
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    logs = {}
-    waiting = []
+    unfinished = []
     for run in runs:
         log = run.log(max_update)
         log.update()
-        logs[run.save_dir] = log
         if is_finished(log, max_update, patience):
             print(f"| {run.label}: finished in {run.save_dir}, reused", flush=True)
         else:
-            waiting.append(run)
-    active = []  # (run, process, live log)
-    while waiting or active:
-        while waiting and len(active) < jobs:
-            run = waiting.pop(0)
-            process = start(run, max_update, patience, threads)
-            live = run.log(max_update)
-            live.label = f"{run.label} [{os.path.basename(run.save_dir)}]"
-            live.update()
-            active.append((run, process, live))
-        display.show([live for _, _, live in active])
-        for entry in list(active):
-            run, process, live = entry
-            if process.poll() is None:
-                continue
-            display.finish([live])
-            active.remove(entry)
-            if process.returncode != 0:
-                for _, other, _ in active:
-                    other.terminate()
-                with open(run.log_path, encoding="utf-8", errors="replace") as f:
-                    tail = f.read()[-3000:]
-                raise RuntimeError(
-                    f"fairseq-train of {run.label} failed ({process.returncode}), "
-                    f"see {run.log_path}:\n{tail}"
-                )
-            logs[run.save_dir] = run.log(max_update)
-            logs[run.save_dir].update()
-        if active:
-            time.sleep(poll)
+            unfinished.append(training_job(run, max_update, patience))
+    train_side_by_side(unfinished, parallel=jobs, display=display, poll=poll)
+    logs = {}
+    for run in runs:
+        logs[run.save_dir] = run.log(max_update)
+        logs[run.save_dir].update()
     return logs
-
-
-def bleu(bin_dir, checkpoint, out_dir, user_dir):
-    """sacreBLEU on the test split, every sentence scored; kept while newer than the checkpoint."""
-    generated = os.path.join(out_dir, "generate-test.txt")
-    if not (
-        os.path.exists(generated) and os.path.getmtime(generated) >= os.path.getmtime(checkpoint)
-    ):
-        cmd = [
-            os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), bin_dir,
-            "--user-dir", user_dir, "--path", checkpoint, "--gen-subset", "test",
-            "--beam", "5", "--batch-size", "128", "--max-len-a", "1.2", "--max-len-b", "10",
-            "--remove-bpe", "sentencepiece", "--scoring", "sacrebleu", "--num-workers", "0",
-            "--required-batch-size-multiple", "1", "--results-path", out_dir,
-        ]  # fmt: skip
-        print("$ " + " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"fairseq-generate failed:\n{proc.stderr[-3000:]}")
-    with open(generated, encoding="utf-8") as f:
-        match = re.search(r"BLEU = ([\d.]+)", f.read())
-    if match is None:
-        raise RuntimeError(f"no BLEU score in {generated}")
-    return float(match.group(1))
 
 
 def encoder_attention_parameters(checkpoint):

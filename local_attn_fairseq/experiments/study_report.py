@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from ..file_safety import atomic_write_text
 from ..modules.head_pruning import prune_checkpoint
 from . import study
-from .training_progress import ProgressDisplay
+from .demo import bleu
+from .fairseq_runner import up_to_date
+from .training_progress import ProgressDisplay, Validation
 
 REPORT_START = "<!-- small-scale study report: start -->"
 REPORT_END = "<!-- small-scale study report: end -->"
@@ -43,20 +45,21 @@ def study_runs(corpus, work, base_argv, models, seeds):
     }
 
 
-def pruned_checkpoint(checkpoint):
-    """The gated checkpoint with its closed heads pruned, and the number of encoder heads kept;
-    reused while newer than the checkpoint."""
-    pruned = checkpoint.replace(".pt", "_pruned.pt")
+def pruned_checkpoint(checkpoint, pruned=None):
+    """The gated checkpoint with its closed heads pruned (into ``pruned``, by default beside it),
+    and the number of encoder heads kept; reused while newer than the checkpoint."""
+    pruned = pruned or checkpoint.replace(".pt", "_pruned.pt")
     record = pruned.replace(".pt", ".json")
-    if not (os.path.exists(record) and os.path.getmtime(record) >= os.path.getmtime(checkpoint)):
+    if not up_to_date(record, checkpoint):
         _, kept, _ = prune_checkpoint(checkpoint, pruned)
         heads = sum(len(layer) for layer in kept["encoder_self"])
         atomic_write_text(record, json.dumps({"encoder_heads_kept": heads}))
+        print(f"| pruned {checkpoint}: {heads} encoder heads kept -> {pruned}", flush=True)
     with open(record, encoding="utf-8") as f:
         return pruned, json.load(f)["encoder_heads_kept"]
 
 
-def score_run(run, log, corpus, user_dir, max_update):
+def score_run(run, log, corpus, max_update):
     """One finished run: its best checkpoint (pruned for the gated model) scored on test."""
     checkpoint = os.path.join(run.save_dir, "checkpoint_best.pt")
     rates = log.epoch_words_per_s[1:] or log.epoch_words_per_s  # the first epoch warms up
@@ -72,8 +75,8 @@ def score_run(run, log, corpus, user_dir, max_update):
     if "--head-gates" in run.argv:
         checkpoint, result["encoder_heads_kept"] = pruned_checkpoint(checkpoint)
     result["encoder_attention_params"] = study.encoder_attention_parameters(checkpoint)
-    out_dir = os.path.join(run.save_dir, "test")
-    result["bleu"] = study.bleu(corpus.bin_dir, checkpoint, out_dir, user_dir)
+    generated = os.path.join(run.save_dir, "test", "generate-test.txt")
+    result["bleu"] = bleu(corpus.bin_dir, checkpoint, generated)
     return result
 
 
@@ -83,12 +86,9 @@ def run_corpus(corpus, work, base_argv, models, seeds, max_update, patience, job
     everything = [run for model_runs in runs.values() for run in model_runs]
     print(f"| {corpus.description}: {len(everything)} runs in {work}/runs", flush=True)
     logs = study.train_runs(everything, max_update, patience, jobs, display or ProgressDisplay())
-    user_dir = base_argv[base_argv.index("--user-dir") + 1]
     summary = {}
     for name, model_runs in runs.items():
-        results = [
-            score_run(run, logs[run.save_dir], corpus, user_dir, max_update) for run in model_runs
-        ]
+        results = [score_run(run, logs[run.save_dir], corpus, max_update) for run in model_runs]
         summary[name] = dict(study.summarise(results), label=study.MODELS[name][0], runs=results)
     return {
         "corpus": corpus.name,
@@ -173,7 +173,7 @@ def write_report(results, settings, targets, json_path):
         for result in results:
             curves = {
                 s["label"]: [
-                    [study.Validation(**v) for v in run["validations"]] for run in s["runs"]
+                    [Validation(**v) for v in run["validations"]] for run in s["runs"]
                 ]
                 for s in result["models"].values()
             }

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 _JSON_LINE = re.compile(
     r"(?:\| |^INFO:)(?P<tag>train_inner|train|valid)(?: \| |:)(?P<stats>\{.*\})\s*$"
 )
-_DONE = "done training in"
+DONE_TRAINING = "done training in"  # fairseq-train's last log line
 
 
 def json_log_options(interval):
@@ -103,7 +103,7 @@ class RunLog:
             self.read_line(line)
 
     def read_line(self, line):
-        if _DONE in line:
+        if DONE_TRAINING in line:
             self.finished = True
         parsed = parse_line(line)
         if parsed is None:
@@ -236,13 +236,3 @@ class ProgressDisplay:
         """The final state, printed once more whatever the mode; the next output starts below."""
         self.show(runs, force=True)
         self._drawn = 0
-
-
-def wait_with_progress(processes, runs, display, poll=1.0):
-    """Wait for every process (a list of Popen, None for nothing to wait for), showing the
-    progress of `runs` meanwhile; returns their exit codes."""
-    while any(p is not None and p.poll() is None for p in processes):
-        display.show(runs)
-        time.sleep(poll)
-    display.finish(runs)
-    return [None if p is None else p.returncode for p in processes]

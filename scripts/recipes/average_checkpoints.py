@@ -1,102 +1,11 @@
 #!/usr/bin/env python3
-"""Average the parameters of the last N checkpoints of a fairseq training run.
+"""Average the parameters of the last N checkpoints of a fairseq training run
+(``local_attn_fairseq.recipes.averaging``).
 
     python scripts/recipes/average_checkpoints.py checkpoints/ averaged.pt --last 5
-
-fairseq's own ``scripts/average_checkpoints.py`` is not part of its installed package, so this
-is the recipes' version: checkpoints saved with ``--save-interval-updates`` are ordered by update
-number (else the per-epoch ones by epoch), the last N are averaged element-wise in float64,
-and the result is written with the other fields (configuration, optimizer history) of the
-newest one, so fairseq-generate and fairseq-eval-lm load it like any checkpoint. The output
-must not be one of the averaged checkpoints; it is written to a temporary file renamed into place.
 """
 
-import argparse
-import os
-import re
-import sys
-
-from local_attn_fairseq.file_safety import atomic_output, refuse_same_file
-
-_BY_UPDATE = re.compile(r"^checkpoint_\d+_(\d+)\.pt$")
-_BY_EPOCH = re.compile(r"^checkpoint(\d+)\.pt$")
-
-
-def last_checkpoints(save_dir, n):
-    """Paths of the last ``n`` interval (else epoch) checkpoints in ``save_dir``, oldest first;
-    ``checkpoint_last.pt`` alone when there are none (a run shorter than one interval)."""
-    if n < 1:
-        raise ValueError(f"cannot average the last {n} checkpoints")
-    names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
-    for pattern in (_BY_UPDATE, _BY_EPOCH):
-        numbered = sorted((int(m.group(1)), f) for f in names if (m := pattern.match(f)))
-        if numbered:
-            return [os.path.join(save_dir, f) for _, f in numbered[-n:]]
-    if "checkpoint_last.pt" in names:
-        return [os.path.join(save_dir, "checkpoint_last.pt")]
-    raise FileNotFoundError(f"no checkpoint in {save_dir}: has the train stage run?")
-
-
-def average_checkpoints(paths, output):
-    """Write the element-wise mean of the ``model`` weights of ``paths`` to ``output``."""
-    import torch
-
-    for path in paths:
-        refuse_same_file(path, output)
-    total, newest = None, None
-    for path in paths:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        weights = state["model"]
-        if total is None:
-            total = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
-        else:
-            if set(weights) != set(total):
-                diff = sorted(set(weights) ^ set(total))[:5]
-                raise ValueError(f"{path} has other parameters than {paths[0]}: {diff}")
-            for k, v in weights.items():
-                if v.is_floating_point():
-                    total[k] += v.double()
-        newest = state
-    newest["model"] = _keep_sharing(
-        newest["model"],
-        {
-            k: (v / len(paths)).to(newest["model"][k].dtype) if v.is_floating_point() else v
-            for k, v in total.items()
-        },
-    )
-    with atomic_output(output) as temporary:
-        torch.save(newest, temporary)
-    return output
-
-
-def _keep_sharing(original, averaged):
-    """Names that shared one tensor in the checkpoint (tied embeddings) share one again."""
-    first_name = {}
-    for key, value in original.items():
-        first_name.setdefault(_tensor_identity(value), key)
-    return {key: averaged[first_name[_tensor_identity(value)]] for key, value in original.items()}
-
-
-def _tensor_identity(tensor):
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("save_dir", help="directory of a fairseq-train run (--save-dir)")
-    parser.add_argument("output", help="where to write the averaged checkpoint")
-    parser.add_argument("--last", type=int, default=5, help="how many checkpoints (default 5)")
-    args = parser.parse_args(argv)
-    try:
-        paths = last_checkpoints(args.save_dir, args.last)
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    try:
-        average_checkpoints(paths, args.output)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    print(f"| averaged {len(paths)} checkpoints ({', '.join(map(os.path.basename, paths))})")
-
+from local_attn_fairseq.recipes.averaging import main
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,1 @@
+"""The analysis tools on small trained checkpoints, through ``local-attn-analyze``."""

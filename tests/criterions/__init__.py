@@ -1,0 +1,1 @@
+"""The L0-regularised criterion: its penalty and how it is scaled."""

@@ -1,0 +1,1 @@
+"""fairseq's distributed training (two CPU ranks) with tied heads and gates."""

@@ -1,0 +1,1 @@
+"""The experiment infrastructure: the fairseq runner, progress lines, resumable study runs."""

@@ -1,0 +1,1 @@
+"""The mechanisms' maths (locality/), each against a direct formula from its paper."""

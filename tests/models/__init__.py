@@ -1,0 +1,1 @@
+"""The models through fairseq's CLI and Python API: training, generation, checkpoints."""

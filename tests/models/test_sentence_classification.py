@@ -2,22 +2,18 @@
 subject-verb agreement set that scripts/prepare_classification.py builds from the Ding corpus."""
 
 import json
-import os
 import random
 import re
-import sys
 
 import pytest
 import torch
 from fairseq import checkpoint_utils
 
+from local_attn_fairseq.data import agreement as prepare_classification
 from local_attn_fairseq.locality.spec import LocalitySpecError
 
-from ..conftest import REPO, USER_DIR, fairseq_cli
+from ..conftest import USER_DIR, fairseq_cli
 from .helpers import build_model
-
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import prepare_classification  # noqa: E402
 
 TASK = (
     "--task sentence_prediction --num-classes 2 --init-token 0 --max-positions 128 "

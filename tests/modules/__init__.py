@@ -1,0 +1,1 @@
+"""LocalMultiheadAttention: each mechanism and their composition against references."""

@@ -1,0 +1,1 @@
+"""The banded attention operator: kernels against the reference, gradients, opcheck."""

@@ -1,15 +1,18 @@
-"""The paper recipes (scripts/recipes/) and the small-scale study, end to end on tiny data.
+"""The paper recipes (local_attn_fairseq.recipes) and the small-scale study, end to end on tiny
+data.
 
 Every recipe runs prepare -> train -> average -> evaluate through the driver's command line
-(``run_recipe.main``, the function ``python scripts/recipes/run_recipe.py`` calls; one recipe also
-as a separate process), with ``--profile tiny`` (2 updates of narrow models) on a slice of the
-bundled Ding German-English corpus given as ``--raw-dir``. Zh-En, En-Ru and En-Fr have no
-bundled data: their recipes get the same German-English text with the German side relabelled
-(zh, ru, fr), which exercises their own preparation (separate vocabularies, length filter,
-held-out validation) but not the languages. LM-1B gets the English side. MuST-C gets the
-synthetic speech corpus of scripts/data/synthesize_speech_corpus.py.
+(``recipes.cli.main``, the function that ``local-attn-recipe`` and
+``python scripts/recipes/run_recipe.py`` call; the script also as a separate process), with
+``--profile tiny`` (2 updates of narrow models) on a slice of the bundled Ding German-English
+corpus given as ``--raw-dir``. Zh-En, En-Ru and En-Fr have no bundled data: their recipes get the
+same German-English text with the German side relabelled (zh, ru, fr), which exercises their own
+preparation (separate vocabularies, length filter, held-out validation) but not the languages.
+LM-1B gets the English side. MuST-C gets the synthetic speech corpus of
+scripts/data/synthesize_speech_corpus.py.
 """
 
+import ast
 import json
 import os
 import shutil
@@ -20,17 +23,15 @@ import tarfile
 import pytest
 import torch
 
+from local_attn_fairseq import recipes
+from local_attn_fairseq.recipes import averaging, corpora, scoring, text_preparation
+from local_attn_fairseq.recipes import cli as recipe_cli
+from local_attn_fairseq.recipes import config as rc
+from local_attn_fairseq.recipes.driver import RecipeRun
 from tests.conftest import REPO
 
-sys.path[:0] = [os.path.join(REPO, "scripts", "recipes"), os.path.join(REPO, "scripts")]
-
-import average_checkpoints  # noqa: E402
-import corpora  # noqa: E402
-import recipe_config as rc  # noqa: E402
-import run_recipe  # noqa: E402
-import scoring  # noqa: E402
-
 DRIVER = os.path.join(REPO, "scripts", "recipes", "run_recipe.py")
+CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "local-attn-recipe")
 SYNTHESIZER = os.path.join(REPO, "scripts", "data", "synthesize_speech_corpus.py")
 SIZES = {"train": 200, "valid": 8, "test": 8}
 # data set -> {its language: the Ding side standing in for it}
@@ -91,7 +92,7 @@ def work_dir(tmp_path_factory):
 def drive(recipe, row, work_dir, raw_dir, *extra):
     argv = [recipe, "--row", row, "--profile", "tiny", "--work-dir", str(work_dir)]
     argv += ["--raw-dir", str(raw_dir), *extra]
-    assert run_recipe.main(argv) == 0
+    assert recipe_cli.main(argv) == 0
 
 
 def results(work_dir, recipe, row):
@@ -217,6 +218,43 @@ def test_manual_downloads_are_named(tmp_path):
     assert "translate.yandex.ru" in proc.stderr
 
 
+def test_console_script_runs_the_same_driver():
+    proc = subprocess.run([CONSOLE_SCRIPT, "--list"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "pande_wmt14_en_de" in proc.stdout
+    assert proc.stdout == cli("--list").stdout
+
+
+# ---- the package's modules import one way only -----------------------------------------------
+
+# stage order: config -> data -> train -> evaluate -> report, then the driver and its CLI
+MODULE_ORDER = ["config", "workspace", "corpora", "text_preparation", "speech", "training",
+                "averaging", "scoring", "evaluation", "driver", "cli"]  # fmt: skip
+
+
+def sibling_imports(path):
+    """The recipes modules that the module at ``path`` imports, anywhere in it."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    package = "local_attn_fairseq.recipes"
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = (package + "." if node.level == 1 else "") + (node.module or "")
+        if module.rstrip(".") == package:
+            yield from (alias.name for alias in node.names)
+        elif module.startswith(package + "."):
+            yield module.split(".")[2]
+
+
+def test_recipe_modules_import_only_earlier_stages():
+    package_dir = os.path.dirname(recipes.__file__)
+    modules = {f[: -len(".py")] for f in os.listdir(package_dir) if f.endswith(".py")}
+    assert modules - {"__init__"} == set(MODULE_ORDER)
+    for position, name in enumerate(MODULE_ORDER):
+        for imported in sibling_imports(os.path.join(package_dir, f"{name}.py")):
+            assert imported in MODULE_ORDER[:position], f"{name} imports {imported}"
+
+
 # ---- every row of every recipe is a valid fairseq command ------------------------------------
 
 
@@ -237,7 +275,7 @@ def test_every_runnable_row_parses_as_fairseq_train_options():
             with pytest.raises(rc.RecipeError, match="cannot be run"):
                 rc.get_row(recipe, row_name)
             continue
-        run = run_recipe.RecipeRun(recipe, "/tmp/unused", gpus=8, dry_run=True)
+        run = RecipeRun(recipe, "/tmp/unused", gpus=8, dry_run=True)
         argv = [str(a) for a in run.train_argv(rc.get_row(recipe, row_name))]
         args = options.parse_args_and_arch(options.get_training_parser(), input_args=argv)
         assert args.arch == rc.get_row(recipe, row_name)["arch"], (name, row_name)
@@ -273,16 +311,16 @@ def test_averaging_is_the_mean_and_keeps_tied_weights_tied(tmp_path):
     for i, weight in enumerate(shared, 1):
         state = {"model": {"a": weight, "b": weight, "n": torch.tensor(i)}, "cfg": {"i": i}}
         torch.save(state, tmp_path / f"checkpoint_1_{i * 10}.pt")
-    paths = average_checkpoints.last_checkpoints(str(tmp_path), 5)
+    paths = averaging.last_checkpoints(str(tmp_path), 5)
     assert [os.path.basename(p) for p in paths] == ["checkpoint_1_10.pt", "checkpoint_1_20.pt"]
-    average_checkpoints.average_checkpoints(paths, str(tmp_path / "avg.pt"))
+    averaging.average_checkpoints(paths, str(tmp_path / "avg.pt"))
     avg = torch.load(tmp_path / "avg.pt", weights_only=False)
     assert torch.equal(avg["model"]["a"], torch.full((2, 2), 2.0))
     assert avg["model"]["a"] is avg["model"]["b"] and avg["cfg"] == {"i": 2}
     torch.save({"model": {"c": shared[0]}}, tmp_path / "checkpoint_1_30.pt")
     with pytest.raises(ValueError, match="other parameters"):
-        average_checkpoints.average_checkpoints(
-            average_checkpoints.last_checkpoints(str(tmp_path), 2), str(tmp_path / "x.pt")
+        averaging.average_checkpoints(
+            averaging.last_checkpoints(str(tmp_path), 2), str(tmp_path / "x.pt")
         )
 
 
@@ -405,16 +443,14 @@ def test_recipes_refuse_a_work_dir_of_someone_else(tmp_path):
 
 def test_averaging_refuses_to_write_over_a_checkpoint_it_reads(tmp_path):
     torch.save({"model": {"a": torch.ones(1)}}, tmp_path / "checkpoint_1_10.pt")
-    paths = average_checkpoints.last_checkpoints(str(tmp_path), 5)
+    paths = averaging.last_checkpoints(str(tmp_path), 5)
     with pytest.raises(ValueError, match="is the input file"):
-        average_checkpoints.average_checkpoints(paths, str(tmp_path / "checkpoint_1_10.pt"))
+        averaging.average_checkpoints(paths, str(tmp_path / "checkpoint_1_10.pt"))
     assert torch.load(tmp_path / "checkpoint_1_10.pt")["model"]["a"].item() == 1.0
 
 
 def test_a_binarisation_not_written_by_the_recipes_is_not_replaced(tmp_path):
-    import text_preparation
-
-    run = run_recipe.RecipeRun(rc.load_recipe("pande_wmt14_en_de"), str(tmp_path))
+    run = RecipeRun(rc.load_recipe("pande_wmt14_en_de"), str(tmp_path))
     os.makedirs(run.bin)
     (tmp_path / "keep.txt").write_text("x")
     with open(os.path.join(run.bin, "dict.en.txt"), "w") as f:

@@ -1,0 +1,1 @@
+"""The data preparation, the demos and the study through the commands users run."""

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from local_attn_fairseq.experiments import bible
+from local_attn_fairseq.data import bible
 
 from ..conftest import REPO
 

@@ -4,10 +4,10 @@ import sys
 
 import pytest
 
+from local_attn_fairseq.data import ding as prepare_ding
+
 from ..conftest import REPO
 
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import prepare_ding  # noqa: E402
 
 LINES = [
     "# Version :: devel\n",

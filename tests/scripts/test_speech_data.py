@@ -3,18 +3,16 @@
 import csv
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
 import soundfile as sf
 import yaml
 
-from .speech_corpus import SCRIPTS, SIZES, UTTERANCES_PER_TALK, log, prepared, synthetic_corpus
+from local_attn_fairseq.data import mustc as prepare_mustc
+from local_attn_fairseq.data import speech_corpus as synthesize_speech_corpus
 
-sys.path.insert(0, SCRIPTS)
-import prepare_mustc  # noqa: E402
-import synthesize_speech_corpus  # noqa: E402
+from .speech_corpus import SIZES, UTTERANCES_PER_TALK, log, prepared, synthetic_corpus
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,20 @@
 """The evaluate stage: decode or score the row's final checkpoint as the paper did, then write
-``results.json`` and print the measured numbers beside the paper's.
+``results.json`` and print the measured numbers beside the paper's (the report).
+``run`` is the recipe's workspace (``workspace.RecipeWorkspace``).
 """
 
 import json
 import os
 import re
 
-import scoring
-from recipe_config import RecipeError
+import torch
 
-from local_attn_fairseq.file_safety import atomic_write_text
-from text_preparation import dataset_of, raw_path
+from ..experiments.fairseq_runner import USER_DIR
+from ..file_safety import atomic_write_text
+from . import scoring
+from .config import RecipeError
+from .speech import task_files
+from .text_preparation import dataset_of, raw_path
 
 # q, k, v and output projections of the encoder's self-attention (the papers' attention
 # parameter counts), in text (layers) and speech (transformer_layers) encoders
@@ -28,8 +32,6 @@ def evaluate_row(run, row):
     if run.kind == "language_model":
         measured = evaluate_language_model(run, row, checkpoint, subset)
     elif run.kind == "speech":
-        from speech import evaluate_speech
-
         measured = evaluate_speech(run, row, checkpoint, subset)
     else:
         measured = evaluate_translation(run, row, checkpoint, subset, settings)
@@ -41,7 +43,7 @@ def evaluate_row(run, row):
 
 def decode_argv(run, row, checkpoint, subset, settings):
     out_dir = os.path.join(run.row_dir(row["name"]), f"generate-{subset}")
-    argv = [run.data_path(row), "--user-dir", run_user_dir(), "--path", checkpoint]
+    argv = [run.data_path(row), "--user-dir", USER_DIR, "--path", checkpoint]
     argv += ["--gen-subset", subset, "--beam", settings.get("beam", 5)]
     argv += [
         "--lenpen",
@@ -59,12 +61,6 @@ def decode_argv(run, row, checkpoint, subset, settings):
     # every sentence is decoded: batches need not be a multiple of 8 (fairseq's default)
     argv += ["--results-path", out_dir, "--required-batch-size-multiple", 1]
     return argv, os.path.join(out_dir, f"generate-{subset}.txt")
-
-
-def run_user_dir():
-    from run_recipe import USER_DIR
-
-    return USER_DIR
 
 
 def evaluate_translation(run, row, checkpoint, subset, settings):
@@ -88,8 +84,26 @@ def evaluate_translation(run, row, checkpoint, subset, settings):
     return measured
 
 
+def evaluate_speech(run, row, checkpoint, subset):
+    files = task_files(run, row)
+    settings = row["evaluate"]
+    argv, output = decode_argv(run, row, checkpoint, files[subset], settings)
+    argv += ["--task", "speech_to_text", "--config-yaml", files["config"]]
+    argv += ["--scoring", "sacrebleu", "--num-workers", 0]
+    log = os.path.join(run.row_dir(row["name"]), "generate.log")
+    run.run_tool("fairseq-generate", argv, log)
+    if run.dry_run:
+        return {}
+    hyps, refs = scoring.read_generate_output(output)
+    if not hyps:
+        raise RecipeError(f"{output}: no hypotheses")
+    if settings.get("metric") == "wer":
+        return {"wer": scoring.word_error_rate(hyps, refs)}
+    return {"bleu": scoring.sacrebleu_score(hyps, refs)}
+
+
 def evaluate_language_model(run, row, checkpoint, subset):
-    argv = [run.bin, "--user-dir", run_user_dir(), "--path", checkpoint, "--gen-subset", subset]
+    argv = [run.bin, "--user-dir", USER_DIR, "--path", checkpoint, "--gen-subset", subset]
     argv += ["--task", "language_modeling", "--sample-break-mode", "eos"]
     argv += ["--max-tokens", 4096, "--num-workers", 0]
     result = run.run_tool(
@@ -106,24 +120,18 @@ def model_facts(run, row, checkpoint):
         with open(log, encoding="utf-8") as f:
             summary = scoring.training_summary(f.read())
         facts["steps_per_s"] = summary["updates_per_s"]
-    state = _load(checkpoint)
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     facts["params"] = count_parameters(state["model"])
     facts["encoder_attention_params"] = sum(
         v.numel() for k, v in state["model"].items() if _ENCODER_ATTENTION_WEIGHT.match(k)
     )
-    kept_path = os.path.join(run.row_dir(row["name"]), "heads_kept.json")
+    kept_path = run.heads_kept(row["name"])
     if row["prune"] and os.path.exists(kept_path):
         with open(kept_path) as f:
             kept = json.load(f)
         order = ("encoder_self", "decoder_self", "decoder_cross")
         facts["heads"] = "/".join(str(sum(map(len, kept[t]))) for t in order if t in kept)
     return facts
-
-
-def _load(checkpoint):
-    import torch
-
-    return torch.load(checkpoint, map_location="cpu", weights_only=False)
 
 
 def count_parameters(weights):

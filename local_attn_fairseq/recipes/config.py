@@ -1,5 +1,5 @@
 """Recipes as data: loading ``configs/recipes/*.yaml``, choosing a row, and the fairseq options
-a row trains with. No fairseq import here, so listing rows and printing commands stay instant.
+a row trains with, as command-line tokens (nothing here imports fairseq).
 
 A recipe file holds ``paper``, ``kind`` (translation, language_model or speech), ``data`` (a key
 of ``datasets.yaml``, or a speech data description), ``prepare``, ``train`` (``arch``,
@@ -20,6 +20,7 @@ import re
 
 import yaml
 
+# The repository: the recipes are read from its configs/recipes, beside this package.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_DIR = os.path.join(ROOT, "configs", "recipes")
 SPECIAL_FILES = ("datasets", "profiles")

@@ -2,17 +2,16 @@
 
 Each step is skipped when its output exists, so a stopped or repeated prepare redoes only what
 is missing. The raw splits stay under ``WORK/data/raw``: the evaluate stage scores against them.
+``run`` is the recipe's workspace (``workspace.RecipeWorkspace``).
 """
 
 import os
 
-import corpora
-from recipe_config import RecipeError, load_dataset
-from text_data import encode_file, has_binarised, preprocess_argv, train_sentencepiece
-
-from local_attn_fairseq.file_safety import replace_own_dir
-
-TOOL = "run_recipe"
+from ..data.text import encode_file, has_binarised, preprocess_argv, train_sentencepiece
+from ..file_safety import replace_own_dir
+from . import corpora
+from .config import RecipeError, load_dataset
+from .workspace import WORK_DIR_OWNER
 
 # Lines sentencepiece samples from a big corpus to learn its model (its own sampling).
 DEFAULT_SPM_SENTENCES = 10_000_000
@@ -111,7 +110,8 @@ def binarise(run, langs, spm_dir, joint):
         prefixes = {s: os.path.join(spm_dir, f"{s}.{source}") for s in corpora.SPLITS}
     partial = run.bin + ".partial"
     try:
-        replace_own_dir(partial, TOOL)  # fairseq-preprocess refuses a folder with dictionaries
+        # fairseq-preprocess refuses a folder with dictionaries
+        replace_own_dir(partial, WORK_DIR_OWNER)
     except FileExistsError:
         raise RecipeError(
             f"{partial} exists and was not written by the recipes; move it away or choose "

@@ -16,7 +16,7 @@ import tarfile
 import urllib.request
 import zipfile
 
-from recipe_config import RecipeError
+from .config import RecipeError
 
 SPLITS = ("train", "valid", "test")
 # Checksum fields a download may carry, checked after downloading (hashlib names).

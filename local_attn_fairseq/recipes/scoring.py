@@ -4,6 +4,8 @@ about speed and size.
 
 import re
 
+import sacrebleu
+
 _HYPOTHESIS = re.compile(r"^D-(\d+)\t[^\t]*\t(.*)$")
 _TARGET = re.compile(r"^T-(\d+)\t(.*)$")
 
@@ -25,14 +27,12 @@ def read_generate_output(path, expected=None):
 
 
 def sacrebleu_score(hyps, refs):
-    import sacrebleu
-
     return round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
 
 
 def moses_tokenizer(lang):
     """Moses' tokeniser (sacremoses), or None when it is not installed."""
-    try:
+    try:  # an optional dependency, not in the pinned stack
         from sacremoses import MosesTokenizer
     except ImportError:
         return None
@@ -42,8 +42,6 @@ def moses_tokenizer(lang):
 def tokenized_bleu(hyps, refs, lang):
     """BLEU of Moses-tokenised, case-sensitive text (multi-bleu.perl's convention); None when
     sacremoses is missing."""
-    import sacrebleu
-
     tok = moses_tokenizer(lang)
     if tok is None:
         return None

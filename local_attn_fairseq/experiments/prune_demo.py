@@ -1,0 +1,121 @@
+"""Pruning encoder heads on the demo data, Voita et al.'s procedure (Section 6.2) end to end.
+
+1. the demo's baseline Transformer (8 heads x 6 encoder layers = 48 heads; trained if missing);
+2. for every lambda: fine-tune it with Hard Concrete gates on the encoder heads and the L0
+   criterion, the decoder fixed (``--head-gates enc --freeze-decoder``), two runs side by side;
+3. prune the closed heads out of the checkpoint (as ``scripts/prune_heads.py`` does);
+4. BLEU of the gated model (test-time gates) and of the pruned model on the test split.
+
+Writes a table of BLEU against the number of encoder heads kept (the shape of the paper's
+Figure 7) to ``WORK/pruning/results.md``.
+
+    python scripts/prune_demo.py [--lambdas 0.02,0.05,0.1,0.2] [--finetune-epochs 3]
+"""
+
+import argparse
+import json
+import os
+import time
+
+from ..file_safety import atomic_write_text
+from . import demo
+from .fairseq_runner import USER_DIR, exit_on_failure
+from .study_report import pruned_checkpoint
+
+ENCODER_HEADS = 48  # the demo's 6 layers x 8 heads
+# The baseline is the demo's: fine-tuned with the demo's cores per run (two side by side).
+SIDE_BY_SIDE = len(demo.MODELS)
+
+
+def train_baseline(bin_dir, work, epochs):
+    """The demo's baseline Transformer (the one ``make demo`` trains, reused when it has)."""
+    label, arch, extra = demo.MODELS[0]
+    job = demo.training_job(
+        label, bin_dir, ["--arch", arch, *extra, *demo.MODEL_DIMS, *demo.SCHEDULE], epochs,
+        demo.model_dir(work, arch, epochs),
+    )  # fmt: skip
+    demo.train_unfinished([job], SIDE_BY_SIDE)
+    return demo.checkpoint_of(job)
+
+
+def gated_job(bin_dir, baseline, save_dir, l0_lambda, epochs, log_alpha_init):
+    """Fine-tuning of the baseline with encoder head gates and the L0 penalty ``l0_lambda``."""
+    schedule = [a for a in demo.SCHEDULE if a != "--no-last-checkpoints"]
+    options = [
+        "--arch", "transformer_local", "--user-dir", USER_DIR, *demo.MODEL_DIMS, *schedule,
+        "--finetune-from-model", baseline, "--head-gates", "enc", "--freeze-decoder",
+        "--head-gate-log-alpha-init", log_alpha_init,
+        "--criterion", "label_smoothed_cross_entropy_l0", "--l0-lambda", l0_lambda,
+    ]  # fmt: skip
+    return demo.training_job(f"lambda {l0_lambda:g}", bin_dir, options, epochs, save_dir)
+
+
+def results_table(rows):
+    lines = [
+        "| lambda | encoder heads kept | BLEU gated (test-time gates) | BLEU pruned |",
+        "|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        gated = "-" if r["bleu_gated"] is None else f"{r['bleu_gated']:.2f}"
+        lines.append(
+            f"| {r['lambda']:g} | {r['encoder_heads']} / {ENCODER_HEADS} | {gated} "
+            f"| {r['bleu_pruned']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    demo.add_work_dir(parser, demo.DEFAULT_WORK_DIR, "the demo's folder")
+    parser.add_argument("--epochs", type=int, default=int(os.environ.get("DEMO_EPOCHS", 16)))
+    parser.add_argument("--lambdas", default="0.02,0.05,0.1,0.2")
+    parser.add_argument("--finetune-epochs", type=int, default=3)
+    parser.add_argument("--log-alpha-init", type=float, default=1.0)
+    parser.add_argument("--vocab-size", type=int, default=demo.DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--max-train", type=int, default=None)
+    return parser.parse_args(argv)
+
+
+def run_demo(args):
+    started = time.time()
+    work = os.path.abspath(args.work_dir)
+    bin_dir = demo.prepare_data(
+        demo.data_dir_for(work, args.vocab_size, args.max_train), args.vocab_size, args.max_train
+    )
+    baseline = train_baseline(bin_dir, work, args.epochs)
+    out_dir = os.path.join(work, "pruning")
+    os.makedirs(out_dir, exist_ok=True)
+    rows = [{"lambda": 0.0, "encoder_heads": ENCODER_HEADS, "bleu_gated": None}]
+    rows[0]["bleu_pruned"] = demo.bleu(bin_dir, baseline, os.path.join(out_dir, "base.txt"))
+    lambdas = [float(x) for x in args.lambdas.split(",")]
+    run_dirs = [os.path.join(out_dir, f"lambda{l0:g}_ft{args.finetune_epochs}") for l0 in lambdas]
+    jobs = [
+        gated_job(bin_dir, baseline, run_dir, l0, args.finetune_epochs, args.log_alpha_init)
+        for l0, run_dir in zip(lambdas, run_dirs)
+    ]
+    demo.train_unfinished(jobs, SIDE_BY_SIDE)
+    for l0_lambda, run_dir, job in zip(lambdas, run_dirs, jobs):
+        gated = demo.checkpoint_of(job, "checkpoint_last.pt")
+        pruned, heads = pruned_checkpoint(gated, os.path.join(run_dir, "pruned.pt"))
+        rows.append(
+            {
+                "lambda": l0_lambda,
+                "encoder_heads": heads,
+                "bleu_gated": demo.bleu(bin_dir, gated, os.path.join(run_dir, "gated.txt")),
+                "bleu_pruned": demo.bleu(bin_dir, pruned, os.path.join(run_dir, "pruned.txt")),
+            }
+        )
+
+    table = results_table(rows)
+    header = (
+        f"Ding de-en test (1000 sentences): baseline trained {args.epochs} epochs, then "
+        f"{args.finetune_epochs} epochs of fine-tuning with encoder head gates per lambda"
+    )
+    atomic_write_text(os.path.join(out_dir, "results.md"), f"{header}\n\n{table}\n")
+    results = json.dumps({"args": vars(args), "rows": rows}, indent=2)
+    atomic_write_text(os.path.join(out_dir, "results.json"), results)
+    print(f"\n{header}, {(time.time() - started) / 60:.1f} min\n\n{table}")
+
+
+def main(argv=None):
+    exit_on_failure(run_demo, parse_args(argv))

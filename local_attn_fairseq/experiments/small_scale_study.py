@@ -1,0 +1,195 @@
+"""A small-scale study of every mechanism, each model trained until it converges.
+
+The baseline and each paper's headline model are trained with the demo's sizes and schedule
+(``experiments.demo``) on one or both corpora (``--corpus``: Ding German-English dictionary
+sentences of ~8 words, Bible English-Spanish verses of ~24 words), with several seeds, each run
+until validation loss (one validation per epoch) has not improved for ``--patience``
+validations or ``--max-update`` updates are done; the checkpoint with the best validation loss
+is scored on the test split. The gated model (Voita et al.) trains with its gates and the L0
+penalty from the start and is scored after pruning.
+
+Runs are resumable and keyed by their settings: each lives in ``WORK/<corpus>/runs/<model>-<hash
+of its fairseq options>``; killing the study and running the same command again continues every
+unfinished run from its last checkpoint and reuses finished ones; a larger ``--max-update``
+continues runs stopped by the smaller one. While runs train, one live line per run shows its
+epoch, updates, loss, words/s and time left. ``--jobs N`` trains N runs side by side with the
+cores split between them (small models use two threads poorly).
+
+The report (BLEU mean +- std over seeds, updates to convergence, words/s, learning curves
+against updates and against training time) goes to ``WORK/small_scale_study.md`` and
+``WORK/images/``; ``--write-docs`` also puts it in ``docs/small_scale_study.md`` (between its
+report markers; the rest of that file is kept) and ``docs/images/``. ``WORK`` (``--work-dir``,
+default ``study_runs``) and ``docs`` are folders of the current directory: run it from the
+repository.
+
+Budget of the full study (defaults: 6 models x 3 seeds x 2 corpora = 36 runs, --jobs 2 on this
+2-core machine), about 8 hours. Measured training speed of one run with two side by side: Ding
+3,906 target words/s at ~620 per update (the README's demo table): 0.16 s per update; Bible
+~3,700 words/s at ~770 per update (the Bible demo): 0.21 s per update. With 30% more for the
+validations, decoding, start-up and the slower dynamic-window model (0.74x the baseline's
+words/s), the caps give at most
+  Ding:  18 runs x 5,000 updates (~18 epochs of 16,635 pairs) x 0.16 s x 1.3 = 5.2 run-hours,
+  Bible: 18 runs x 8,000 updates (~15 epochs of 12,000 pairs) x 0.21 s x 1.3 = 10.9 run-hours,
+16.1 run-hours / 2 jobs = 8.1 hours, less where patience stops a run first.
+
+    python scripts/small_scale_study.py --corpus ding-de-en,bible-en-es --jobs 2
+"""
+
+import argparse
+import os
+import sys
+import time
+
+from . import demo, study
+from .fairseq_runner import USER_DIR, exit_on_failure
+from .study_report import StudyCorpus, run_corpus, write_report
+from .training_progress import console_logging
+
+# --tiny: the demo's layers and heads at widths that make a smoke run of the study quick
+TINY_WIDTHS = (
+    "--encoder-embed-dim 32 --encoder-ffn-embed-dim 64 --decoder-embed-dim 32 "
+    "--decoder-ffn-embed-dim 64"
+).split()
+DEFAULT_WORK_DIR = "study_runs"
+DOCS = "docs"  # the repository's documentation, when run from the repository
+# Per corpus: the cap on updates and the training pairs used (None: all); see the budget above.
+BUDGETS = {
+    "ding-de-en": {"max_update": 5000, "max_train": None},
+    "bible-en-es": {"max_update": 8000, "max_train": 12000},
+}
+
+
+def study_schedule():
+    """The demo's schedule without its seed (each run has its own) and with the last
+    checkpoint kept (resuming needs it)."""
+    return study.without_options(demo.SCHEDULE, {"--seed": 1, "--no-last-checkpoints": 0})
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_work_dir(parser, DEFAULT_WORK_DIR, "runs and report")
+    parser.add_argument(
+        "--corpus",
+        default="ding-de-en,bible-en-es",
+        help=f"comma-separated corpora among {', '.join(demo.CORPORA)} (default: both)",
+    )
+    parser.add_argument(
+        "--max-update",
+        type=int,
+        help="cap on the updates of a run (default: "
+        + ", ".join(f"{c} {b['max_update']}" for c, b in BUDGETS.items())
+        + ")",
+    )
+    parser.add_argument(
+        "--patience",
+        type=int,
+        default=3,
+        help="stop a run when validation loss has not improved for this many validations "
+        "(one per epoch; default 3)",
+    )
+    parser.add_argument("--seeds", default="1,2,3", help="comma-separated training seeds")
+    parser.add_argument("--models", default=",".join(study.MODELS), help="comma-separated subset")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs side by side, the cores split between them"
+    )
+    parser.add_argument("--vocab-size", type=int, default=demo.DEFAULT_VOCAB_SIZE)
+    parser.add_argument(
+        "--max-train",
+        type=int,
+        help="training pairs (default: "
+        + ", ".join(f"{c} {b['max_train'] or 'all'}" for c, b in BUDGETS.items())
+        + ")",
+    )
+    parser.add_argument(
+        "--test-size", type=int, help="test sentences (default: the corpus's whole test split)"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="32-dim models: a smoke run of the script, no study"
+    )
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="also write the report into docs/small_scale_study.md and docs/images/ of the "
+        "current directory (the repository's)",
+    )
+    args = parser.parse_args(argv)
+    args.corpora = args.corpus.split(",")
+    for option, values, known in (
+        ("--models", args.models.split(","), study.MODELS),
+        ("--corpus", args.corpora, demo.CORPORA),
+    ):
+        unknown = set(values) - set(known)
+        if unknown:
+            names = ", ".join(sorted(unknown))
+            parser.error(f"{option}: unknown {names} (known: {', '.join(known)})")
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    if args.jobs < 1 or args.patience < 0:
+        parser.error("--jobs must be at least 1, --patience at least 0")
+    if any(v is not None and v < 1 for v in (args.test_size, args.max_train, args.max_update)):
+        parser.error("--test-size, --max-train and --max-update must be at least 1")
+    return args
+
+
+def prepare(corpus, work, args, max_train):
+    """The corpus binarised for fairseq, in a data folder named after its settings."""
+    data_dir = demo.data_dir_for(work, args.vocab_size, max_train)
+    if args.test_size:
+        data_dir = f"{data_dir}_test{args.test_size}"
+        os.makedirs(data_dir, exist_ok=True)
+    bin_dir = demo.prepare_data(data_dir, args.vocab_size, max_train, args.test_size, corpus)
+    src, tgt, _, description, _ = demo.CORPORA[corpus]
+    counts = {}
+    for split in ("train", "test"):
+        with open(os.path.join(data_dir, "raw", f"{split}.{tgt}"), encoding="utf-8") as f:
+            counts[split] = sum(1 for _ in f)
+    return StudyCorpus(corpus, description, bin_dir, counts["train"], counts["test"])
+
+
+def run_study(args, argv):
+    """Every corpus prepared, its runs trained and scored; the report written and printed."""
+    work = os.path.abspath(args.work_dir)
+    started = time.time()
+    base = [
+        "--user-dir", USER_DIR, *demo.MODEL_DIMS, *(TINY_WIDTHS if args.tiny else []),
+        *study_schedule(),
+    ]  # fmt: skip
+    results = []
+    for corpus in args.corpora:
+        corpus_dir = os.path.join(work, corpus)
+        max_update = args.max_update or BUDGETS[corpus]["max_update"]
+        data = prepare(corpus, corpus_dir, args, args.max_train or BUDGETS[corpus]["max_train"])
+        result = run_corpus(
+            data, corpus_dir, base, args.models.split(","), args.seed_list,
+            max_update, args.patience, args.jobs,
+        )  # fmt: skip
+        results.append(dict(result, max_update=max_update))
+    settings = {
+        "command": "python scripts/small_scale_study.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "minutes": (time.time() - started) / 60,
+        "machine": f"{os.cpu_count()} CPU cores",
+        "model": "32 dims (--tiny)" if args.tiny else "128 dims",
+        "patience": args.patience,
+        "seeds": args.seed_list,
+        "jobs": args.jobs,
+    }
+    targets = [(os.path.join(work, "small_scale_study.md"), os.path.join(work, "images"))]
+    if args.write_docs:
+        docs = os.path.abspath(DOCS)
+        targets.append((os.path.join(docs, "small_scale_study.md"), os.path.join(docs, "images")))
+    text = write_report(results, settings, targets, os.path.join(work, "small_scale_study.json"))
+    print(text)
+    print("(written to " + ", ".join(md for md, _ in targets) + ")")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    console_logging()
+    exit_on_failure(run_study, args, argv)

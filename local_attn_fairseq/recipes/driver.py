@@ -1,0 +1,54 @@
+"""A recipe row's stages run in order, with the rows it starts from trained first."""
+
+import os
+
+from . import averaging, evaluation, speech, text_preparation, training
+from .config import get_row
+from .workspace import RecipeWorkspace
+
+
+class RecipeRun(RecipeWorkspace):
+    """One recipe in one work directory, and the stages that prepare, train, average and
+    evaluate its rows there."""
+
+    def prepare(self):
+        if self.kind == "speech":
+            return speech.prepare_speech(self)
+        return text_preparation.prepare_text(self)
+
+    def train_argv(self, row):
+        return training.train_argv(self, row)
+
+    def train(self, row):
+        training.train(self, row)
+
+    def average(self, row):
+        averaging.average(self, row)
+
+    def evaluate(self, row):
+        return evaluation.evaluate_row(self, row)
+
+    def run_stage(self, stage, row):
+        if stage in ("prepare", "all"):
+            self.prepare()
+        if stage in ("train", "all"):
+            self.ensure_dependencies(row)
+            self.train(row)
+        if stage in ("average", "all"):
+            self.average(row)
+        if stage in ("evaluate", "all"):
+            return self.evaluate(row)
+        return None
+
+    def ensure_dependencies(self, row):
+        """Train (and average, prune) the rows this row starts from, unless already done."""
+        for dep_name, needed in (
+            (row["base_row"], self.averaged),
+            (row["heads_kept_from_row"], self.heads_kept),
+        ):
+            if dep_name and (self.dry_run or not os.path.exists(needed(dep_name))):
+                dep = get_row(self.recipe, dep_name)
+                print(f"| row {row['name']!r} starts from row {dep_name!r}", flush=True)
+                self.ensure_dependencies(dep)
+                self.train(dep)
+                self.average(dep)

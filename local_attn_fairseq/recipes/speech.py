@@ -1,0 +1,47 @@
+"""The data side of the speech recipes (Alastruey et al., MuST-C): preparation is
+``local_attn_fairseq.data.mustc`` (log-mel features, sentencepiece, fairseq's speech_to_text
+manifests and configs), run as its own process; rows train on its ASR or ST task.
+``run`` is the recipe's workspace (``workspace.RecipeWorkspace``).
+"""
+
+import os
+import subprocess
+import sys
+
+from .config import RecipeError
+
+PREPARE_MODULE = "local_attn_fairseq.data.mustc"
+
+
+def task_files(run, row):
+    """{config, train, valid, test} of the row's task (asr or st)."""
+    tasks = run.recipe["data"]["tasks"]
+    if row["data"] not in tasks:
+        raise RecipeError(f"row {row['name']!r}: data must be one of {', '.join(tasks)}")
+    return tasks[row["data"]]
+
+
+def prepare_speech(run):
+    data = run.recipe["data"]
+    command = [sys.executable, "-m", PREPARE_MODULE, "--mustc-root", run.raw_dir or "MUSTC_ROOT"]
+    settings = run.recipe.get("prepare", {})
+    command += ["--lang", data["lang"], "--out-dir", run.data]
+    command += ["--vocab-size", settings.get("vocab_size", 8000)]
+    command += ["--vocab-type", settings.get("model_type", "unigram")]
+    command = [str(c) for c in command]
+    print("$ " + " ".join(command), flush=True)
+    if run.dry_run:
+        return
+    if not run.raw_dir:
+        raise RecipeError(f"MuST-C cannot be downloaded automatically: {data['manual']}")
+    configs = [t["config"] for t in data["tasks"].values()]
+    if all(os.path.exists(os.path.join(run.data, c)) for c in configs):
+        return
+    if subprocess.run(command).returncode != 0:
+        raise RecipeError(f"{' '.join(command)} failed (its output is above)")
+
+
+def train_task_args(run, row):
+    files = task_files(run, row)
+    return ["--config-yaml", files["config"], "--train-subset", files["train"],
+            "--valid-subset", files["valid"]]  # fmt: skip
