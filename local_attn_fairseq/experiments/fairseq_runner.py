@@ -134,38 +134,45 @@ class TrainingJob:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def train_side_by_side(jobs, parallel=None, display: Optional[ProgressDisplay] = None, poll=1.0):
+def train_side_by_side(
+    jobs, parallel=None, display: Optional[ProgressDisplay] = None, poll=1.0, on_finished=None
+):
     """Run every job, ``parallel`` at a time (default: all at once) with the cores split between
     them, one progress line per running job. Small models use two threads poorly, so side by
     side they finish sooner than one after the other, and they see the same machine while their
-    words/s are measured. Raises RunFailed (the other runs stopped) when one fails."""
+    words/s are measured. ``on_finished(job)`` follows each job that succeeds, while the others
+    train. Raises RunFailed (the other runs stopped) when one fails."""
     jobs = list(jobs)
     parallel = parallel or max(1, len(jobs))
     threads = threads_per_run(parallel)
     display = display or ProgressDisplay()
     waiting, active = list(jobs), []  # active: (job, process)
-    while waiting or active:
-        while waiting and len(active) < parallel:
-            job = waiting.pop(0)
-            active.append((job, job.start(threads)))
-            job.progress.update()  # after the start: a fresh log has replaced any earlier one
-        display.show([job.progress for job, _ in active])
-        for job, process in list(active):
-            if process.poll() is None:
-                continue
-            display.finish([job.progress])
-            active.remove((job, process))
-            if process.returncode != 0:
-                for _, other in active:
-                    other.terminate()
-                    other.wait()
-                raise RunFailed(
-                    f"fairseq-train of {job.label} failed ({process.returncode}), "
-                    f"see {job.log_path}:\n{log_tail(job.log_path)}"
-                )
-            job.progress.update()
-        if active:
-            time.sleep(poll)
+    try:
+        while waiting or active:
+            while waiting and len(active) < parallel:
+                job = waiting.pop(0)
+                active.append((job, job.start(threads)))
+                job.progress.update()  # after the start: a fresh log has replaced any earlier one
+            display.show([job.progress for job, _ in active])
+            for job, process in list(active):
+                if process.poll() is None:
+                    continue
+                display.finish([job.progress])
+                active.remove((job, process))
+                if process.returncode != 0:
+                    raise RunFailed(
+                        f"fairseq-train of {job.label} failed ({process.returncode}), "
+                        f"see {job.log_path}:\n{log_tail(job.log_path)}"
+                    )
+                job.progress.update()
+                if on_finished:
+                    on_finished(job)
+            if active:
+                time.sleep(poll)
+    finally:  # a failed run, a failed on_finished or an interrupt stops the runs still going
+        for _, process in active:
+            process.terminate()
+            process.wait()
 
 
 # ---- fairseq's tools inside this process ---------------------------------------------------

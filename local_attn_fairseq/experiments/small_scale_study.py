@@ -11,7 +11,12 @@ penalty from the start and is scored after pruning.
 Runs are resumable and keyed by their settings: each lives in ``WORK/<corpus>/runs/<model>-<hash
 of its fairseq options>``; killing the study and running the same command again continues every
 unfinished run from its last checkpoint and reuses finished ones; a larger ``--max-update``
-continues runs stopped by the smaller one. While runs train, one live line per run shows its
+continues runs stopped by the smaller one. Each run is scored as soon as it is finished, and its
+result (BLEU, speed, validation curve; no checkpoint) recorded in ``--records`` (default
+``WORK/records``) under a key that is the same on any machine: a study pointed at records of
+earlier sessions reads the runs recorded there under the same budget and trains only the rest,
+so a study longer than one session is carried on by keeping its records (the repository's are
+in ``docs/small_scale_study_records/``). While runs train, one live line per run shows its
 epoch, updates, loss, words/s and time left. ``--jobs N`` trains N runs side by side with the
 cores split between them (small models use two threads poorly).
 
@@ -33,6 +38,8 @@ words/s), the caps give at most
 16.1 run-hours / 2 jobs = 8.1 hours, less where patience stops a run first.
 
     python scripts/small_scale_study.py --corpus ding-de-en,bible-en-es --jobs 2
+    python scripts/small_scale_study.py --jobs 2 --records docs/small_scale_study_records \
+        --write-docs   # the repository's study, continued from its records
 """
 
 import argparse
@@ -111,6 +118,10 @@ def parse_args(argv):
         "--tiny", action="store_true", help="32-dim models: a smoke run of the script, no study"
     )
     parser.add_argument(
+        "--records",
+        help="folder of the finished runs' records, read and added to (default: WORK/records)",
+    )
+    parser.add_argument(
         "--write-docs",
         action="store_true",
         help="also write the report into docs/small_scale_study.md and docs/images/ of the "
@@ -160,6 +171,7 @@ def run_study(args, argv):
         "--user-dir", USER_DIR, *demo.MODEL_DIMS, *(TINY_WIDTHS if args.tiny else []),
         *study_schedule(),
     ]  # fmt: skip
+    records = os.path.abspath(args.records or os.path.join(work, "records"))
     results = []
     for corpus in args.corpora:
         corpus_dir = os.path.join(work, corpus)
@@ -167,7 +179,7 @@ def run_study(args, argv):
         data = prepare(corpus, corpus_dir, args, args.max_train or BUDGETS[corpus]["max_train"])
         result = run_corpus(
             data, corpus_dir, base, args.models.split(","), args.seed_list,
-            max_update, args.patience, args.jobs,
+            max_update, args.patience, args.jobs, records,
         )  # fmt: skip
         results.append(dict(result, max_update=max_update))
     settings = {

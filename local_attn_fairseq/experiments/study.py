@@ -7,6 +7,12 @@ of the key: a run stopped by a smaller cap continues from its ``checkpoint_last.
 is raised, and a killed study continues every unfinished run where its last checkpoint left it.
 A run is finished when validation loss has not improved for ``patience`` validations (one per
 epoch) or when it reached the cap.
+
+The key names data folders of the study relative to its work folder and the plugin by its package
+name, so the same settings give the same key on another machine or in another folder. A scored
+run leaves a small record (its BLEU, speed and validation curve, keyed the same way): a study
+given a folder of records from earlier sessions, on this machine or another, reads the runs
+recorded there under the same budget instead of training them again.
 """
 
 import hashlib
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..file_safety import atomic_output, atomic_write_text
-from .fairseq_runner import TrainingJob, train_side_by_side
+from .fairseq_runner import USER_DIR, RunFailed, TrainingJob, train_side_by_side
 from .training_progress import RunLog, json_log_options
 
 # Options that set the budget or where things go, not what is trained.
@@ -63,9 +69,25 @@ def without_options(argv, options):
     return kept
 
 
-def run_key(argv):
-    """A short hash of the options that decide what a run trains (not its budget)."""
-    settings = [str(a) for a in without_options([str(a) for a in argv], BUDGET_OPTIONS)]
+def portable_option(token, work_dir):
+    """A path that differs between machines named by what it is: a folder of the work dir
+    relative to it (under the work dir's own name, the corpus), the plugin as its package."""
+    token = str(token)
+    if token == USER_DIR:
+        return "local_attn_fairseq"
+    if work_dir and os.path.isabs(token):
+        inside = os.path.relpath(token, work_dir)
+        if not inside.startswith(os.pardir):
+            return os.path.join(os.path.basename(os.path.normpath(work_dir)), inside)
+    return token
+
+
+def run_key(argv, work_dir=None):
+    """A short hash of the options that decide what a run trains (not its budget), the same
+    wherever the work dir lies."""
+    settings = [
+        portable_option(a, work_dir) for a in without_options([str(a) for a in argv], BUDGET_OPTIONS)
+    ]
     return hashlib.sha256("\0".join(settings).encode("utf-8")).hexdigest()[:12]
 
 
@@ -79,8 +101,16 @@ class TrainingRun:
     work_dir: str
 
     @property
+    def key(self):
+        return run_key(self.argv, self.work_dir)
+
+    @property
+    def seed(self):
+        return int(self.argv[self.argv.index("--seed") + 1])
+
+    @property
     def save_dir(self):
-        return os.path.join(self.work_dir, "runs", f"{self.name}-{run_key(self.argv)}")
+        return os.path.join(self.work_dir, "runs", f"{self.name}-{self.key}")
 
     @property
     def log_path(self):
@@ -128,23 +158,64 @@ def training_job(run, max_update, patience):
     return TrainingJob(run.label, command, progress, append=True)
 
 
-def train_runs(runs, max_update, patience, jobs=1, display=None, poll=1.0):
+def finished_log(run, max_update):
+    log = run.log(max_update)
+    log.update()
+    return log
+
+
+def train_runs(runs, max_update, patience, jobs=1, display=None, poll=1.0, on_finished=None):
     """Train every unfinished run, `jobs` at a time with the cores split between them,
-    showing one progress line per run in training. Returns {save_dir: RunLog}."""
-    unfinished = []
+    showing one progress line per run in training; ``on_finished(run, log)`` is called for
+    each run as soon as it is finished (before the others are, for those in training)."""
+    unfinished = {}
     for run in runs:
-        log = run.log(max_update)
-        log.update()
+        log = finished_log(run, max_update)
         if is_finished(log, max_update, patience):
             print(f"| {run.label}: finished in {run.save_dir}, reused", flush=True)
+            if on_finished:
+                on_finished(run, log)
         else:
-            unfinished.append(training_job(run, max_update, patience))
-    train_side_by_side(unfinished, parallel=jobs, display=display, poll=poll)
-    logs = {}
-    for run in runs:
-        logs[run.save_dir] = run.log(max_update)
-        logs[run.save_dir].update()
-    return logs
+            unfinished[run.save_dir] = (run, training_job(run, max_update, patience))
+
+    def job_finished(job):
+        run = next(r for r, j in unfinished.values() if j is job)
+        if on_finished:
+            on_finished(run, finished_log(run, max_update))
+
+    jobs_to_train = [job for _, job in unfinished.values()]
+    train_side_by_side(jobs_to_train, jobs, display, poll, on_finished=job_finished)
+
+
+# ---- records of scored runs --------------------------------------------------------------
+
+
+def record_path(records_dir, corpus, run):
+    return os.path.join(records_dir, f"{corpus}-{run.name}-seed{run.seed}-{run.key}.json")
+
+
+def read_record(path, max_update, patience):
+    """The record at ``path`` if it is one of a run under this budget, else None."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        budget = (record["max_update"], record["patience"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise RunFailed(f"{path} is not a record of a study run ({e}): move it away") from e
+    return record if budget == (max_update, patience) else None
+
+
+def write_record(path, result, run, max_update, patience):
+    """A scored run's result, kept without the paths of this machine."""
+    record = {k: v for k, v in result.items() if k != "save_dir"}
+    record.update(
+        name=run.name, key=run.key, max_update=max_update, patience=patience,
+        machine=f"{os.cpu_count()} CPU cores",
+    )  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1))
 
 
 def encoder_attention_parameters(checkpoint):

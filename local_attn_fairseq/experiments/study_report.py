@@ -64,7 +64,7 @@ def score_run(run, log, corpus, max_update):
     checkpoint = os.path.join(run.save_dir, "checkpoint_best.pt")
     rates = log.epoch_words_per_s[1:] or log.epoch_words_per_s  # the first epoch warms up
     result = {
-        "seed": int(run.argv[run.argv.index("--seed") + 1]),
+        "seed": run.seed,
         "save_dir": run.save_dir,
         "updates_trained": log.num_updates,
         "updates_to_convergence": study.convergence_update(log),
@@ -80,22 +80,57 @@ def score_run(run, log, corpus, max_update):
     return result
 
 
-def run_corpus(corpus, work, base_argv, models, seeds, max_update, patience, jobs, display=None):
-    """Train (or continue, or reuse) and score every run of one corpus; a JSON-able summary."""
+def run_corpus(
+    corpus, work, base_argv, models, seeds, max_update, patience, jobs, records=None, display=None
+):
+    """Train (or continue, or reuse) and score every run of one corpus; a JSON-able summary.
+
+    Each run is scored as soon as it is finished and its result recorded in ``records`` (a
+    folder, by default ``work/records``); a run recorded there under the same budget is read,
+    not trained."""
+    records = records or os.path.join(work, "records")
     runs = study_runs(corpus, work, base_argv, models, seeds)
-    everything = [run for model_runs in runs.values() for run in model_runs]
-    print(f"| {corpus.description}: {len(everything)} runs in {work}/runs", flush=True)
-    logs = study.train_runs(everything, max_update, patience, jobs, display or ProgressDisplay())
+    # seed by seed: a study stopped part-way has every model's first seeds
+    everything = [runs[name][i] for i in range(len(seeds)) for name in runs]
+    results, to_train = {}, []
+    for run in everything:
+        path = study.record_path(records, corpus.name, run)
+        record = study.read_record(path, max_update, patience)
+        if record is None:
+            to_train.append(run)
+        else:
+            results[run.save_dir] = record
+            print(f"| {run.label}, seed {run.seed}: recorded in {path}, reused", flush=True)
+    print(
+        f"| {corpus.description}: {len(everything)} runs, {len(results)} recorded, "
+        f"{len(to_train)} to train or score in {work}/runs",
+        flush=True,
+    )
+
+    def score_and_record(run, log):
+        result = score_run(run, log, corpus, max_update)
+        study.write_record(
+            study.record_path(records, corpus.name, run), result, run, max_update, patience
+        )
+        results[run.save_dir] = result
+
+    study.train_runs(
+        to_train, max_update, patience, jobs, display or ProgressDisplay(),
+        on_finished=score_and_record,
+    )  # fmt: skip
     summary = {}
     for name, model_runs in runs.items():
-        results = [score_run(run, logs[run.save_dir], corpus, max_update) for run in model_runs]
-        summary[name] = dict(study.summarise(results), label=study.MODELS[name][0], runs=results)
+        model_results = [results[run.save_dir] for run in model_runs]
+        summary[name] = dict(
+            study.summarise(model_results), label=study.MODELS[name][0], runs=model_results
+        )
     return {
         "corpus": corpus.name,
         "description": corpus.description,
         "train_pairs": corpus.train_pairs,
         "test_sentences": corpus.test_sentences,
         "models": summary,
+        "recorded_runs": len(everything) - len(to_train),
     }
 
 
@@ -147,9 +182,11 @@ def report(results, settings, images):
     ]
     for result in results:
         lines += corpus_section(result, settings, images[result["corpus"]])
+    recorded = sum(r.get("recorded_runs", 0) for r in results)
+    earlier = f"; {recorded} runs read from records of earlier sessions" if recorded else ""
     lines += [
         f"Command: `{settings['command'].strip()}` ({settings['minutes']:.0f} minutes on "
-        f"{settings['machine']}).",
+        f"{settings['machine']}{earlier}).",
         "",
     ]
     return "\n".join(lines)

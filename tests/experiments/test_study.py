@@ -3,10 +3,12 @@
 import json
 import types
 
+import pytest
 from fairseq import checkpoint_utils
 from fairseq_cli import train
 
 from local_attn_fairseq.experiments import fairseq_train, study, study_report
+from local_attn_fairseq.experiments.fairseq_runner import USER_DIR, RunFailed
 from local_attn_fairseq.experiments.training_progress import Validation
 
 
@@ -19,6 +21,35 @@ def test_run_key_depends_on_settings_not_on_the_budget():
     assert study.run_key(argv + ["--dropout", "0.3"]) != key
     run = study.TrainingRun("baseline", "b", argv, "/work")
     assert run.save_dir == f"/work/runs/baseline-{key}"
+
+
+def test_run_key_is_the_same_wherever_the_study_lies():
+    def argv(work):
+        return [f"{work}/data_spm4000/bin", "--user-dir", USER_DIR, "--seed", "1"]
+
+    here, there = "/home/a/study/ding-de-en", "/tmp/b/ding-de-en"
+    assert study.run_key(argv(here), here) == study.run_key(argv(there), there)
+    # the corpus is the work folder's name; data outside the work folder is named as given
+    assert study.run_key(argv(here), here) != study.run_key(argv("/x/bible-en-es"), "/x/bible-en-es")
+    assert study.run_key(argv("/data"), here) != study.run_key(argv("/data2"), here)
+    run = study.TrainingRun("baseline", "b", argv(there), there)
+    assert run.key == study.run_key(argv(here), here) and run.seed == 1
+
+
+def test_records_are_read_only_under_the_same_budget(tmp_path):
+    run = study.TrainingRun("baseline", "b", ["data", "--seed", "3"], str(tmp_path / "ding-de-en"))
+    path = study.record_path(str(tmp_path / "records"), "ding-de-en", run)
+    assert path.endswith(f"ding-de-en-baseline-seed3-{run.key}.json")
+    assert study.read_record(path, 100, 3) is None
+    result = {"bleu": 7.5, "save_dir": "/this/machine", "validations": []}
+    study.write_record(path, result, run, max_update=100, patience=3)
+    record = study.read_record(path, 100, 3)
+    assert record["bleu"] == 7.5 and "save_dir" not in record and record["key"] == run.key
+    assert study.read_record(path, 200, 3) is None and study.read_record(path, 100, 2) is None
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(RunFailed, match="not a record of a study run"):
+        study.read_record(path, 100, 3)
 
 
 def test_convergence_counts_validations_since_the_best():

@@ -1,5 +1,6 @@
 """The study's reduced form through its command line: a few hundred Bible verses, two tiny
-models, one seed, a cap of 4 updates, then a cap of 8 that continues the same runs."""
+models, one seed, a cap of 4 updates, then a cap of 8 that continues the same runs, then the
+same study in another folder that reads the runs from the first one's records."""
 
 import json
 import os
@@ -17,13 +18,23 @@ STUDY = os.path.join(REPO, "scripts", "small_scale_study.py")
 TRACKED_REPORT = os.path.join(REPO, "docs", "small_scale_study.md")
 
 
-def run_study(work, max_update):
+def run_study(work, max_update, *options):
     cmd = [sys.executable, STUDY, "--work-dir", work, "--corpus", "bible-en-es", "--tiny",
            "--max-train", 300, "--test-size", 20, "--vocab-size", 400, "--seeds", 1,
-           "--models", "baseline,local_tied", "--max-update", max_update]  # fmt: skip
+           "--models", "baseline,local_tied", "--max-update", max_update, *options]  # fmt: skip
     out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
+
+
+def scores(report_json):
+    """{model: [(BLEU, validation curve) per seed]} of a study's JSON report."""
+    corpora = json.loads(report_json.read_text())["corpora"]
+    return {
+        name: [(r["bleu"], r["validations"]) for r in model["runs"]]
+        for corpus in corpora
+        for name, model in corpus["models"].items()
+    }
 
 
 def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
@@ -54,6 +65,18 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     third = run_study(work, 8)
     assert third.count("reused") == 2 and "fairseq_train" not in third
     assert "fairseq-generate" not in third
+
+    # another folder (another machine) given the records: the runs are read, not trained
+    records = sorted(p.name for p in (work / "records").iterdir())
+    assert [r.split("-seed1-")[0] for r in records] == ["bible-en-es-baseline", "bible-en-es-local_tied"]
+    elsewhere = tmp_path / "elsewhere"
+    fourth = run_study(elsewhere, 8, "--records", work / "records")
+    assert fourth.count("reused") == 2 and "fairseq_train" not in fourth
+    assert "fairseq-generate" not in fourth and not (elsewhere / "bible-en-es" / "runs").exists()
+    assert "2 runs read from records of earlier sessions" in fourth
+    assert scores(elsewhere / "small_scale_study.json") == scores(work / "small_scale_study.json")
+    # a smaller budget is another study: its runs are not the recorded ones
+    assert "to train or score" in run_study(elsewhere, 4, "--records", work / "records")
 
     report = (work / "small_scale_study.md").read_text()
     assert "images/small_scale_study_bible-en-es.png" in report
