@@ -134,6 +134,68 @@ def run_corpus(
     }
 
 
+# Each paper's qualitative claim, as the study can test it against the baseline:
+# (model, paper, claim, kind). "better": the model's BLEU is above the baseline's by more than
+# the seeds' spread; "no worse": it is at most NO_WORSE_MARGIN below; "pruned": no worse, with
+# at most a quarter of the encoder heads kept after pruning.
+CLAIMS = [
+    ("local_tied", "Pande et al.", "fixed local heads with tied Q/K lose little BLEU or gain",
+     "no worse"),
+    ("localness", "Yang et al. 2018", "Gaussian localness improves on the baseline", "better"),
+    ("dynwin", "Nguyen et al. 2020", "dynamic windows improve on the baseline", "better"),
+    ("gates_l0", "Voita et al. 2019", "3/4 of the encoder heads can be pruned for a small loss",
+     "pruned"),
+    ("banded", "Alastruey et al. 2022", "local windows in the encoder cost little BLEU",
+     "no worse"),
+]  # fmt: skip
+NO_WORSE_MARGIN = 1.0  # BLEU
+ENCODER_HEADS = 48  # the demo's 6 layers x 8 heads
+
+
+def claim_verdict(kind, model, baseline):
+    """(what was measured, verdict) of one claim, from two models' summaries."""
+    diff = model["bleu_mean"] - baseline["bleu_mean"]
+    spread = (model["bleu_std"] ** 2 + baseline["bleu_std"] ** 2) ** 0.5
+    measured = (
+        f"{model['bleu_mean']:.2f} ± {model['bleu_std']:.2f} vs {baseline['bleu_mean']:.2f} ± "
+        f"{baseline['bleu_std']:.2f} ({diff:+.2f})"
+    )
+    if kind == "better":
+        if diff > spread:
+            return measured, "holds"
+        return measured, "does not hold" if diff < -spread else "within the seeds' spread"
+    verdict = "holds" if diff >= -NO_WORSE_MARGIN else "does not hold"
+    if kind == "pruned":
+        kept = model["encoder_heads_kept"]
+        mean_kept = sum(kept) / len(kept)
+        measured += f", {mean_kept:.0f} of {ENCODER_HEADS} encoder heads kept"
+        if mean_kept > ENCODER_HEADS / 4:
+            verdict = "does not hold"
+    return measured, verdict
+
+
+def claims_lines(result):
+    """The claims table of one corpus: every claim whose model and the baseline were run."""
+    models = result["models"]
+    if "baseline" not in models:
+        return []
+    seeds = len(models["baseline"]["runs"])
+    lines = [
+        f"The papers' claims against this corpus's runs (BLEU mean ± std over {seeds} seed(s), "
+        f"model vs baseline; \"little\" is at most {NO_WORSE_MARGIN:.0f} BLEU"
+        + ("; one seed gives no spread, so a verdict is provisional" if seeds < 2 else "")
+        + "):",
+        "",
+        "| paper | claim | measured | verdict |",
+        "|---|---|---|---|",
+    ]
+    for name, paper, claim, kind in CLAIMS:
+        if name in models:
+            measured, verdict = claim_verdict(kind, models[name], models["baseline"])
+            lines.append(f"| {paper} | {claim} | {measured} | {verdict} |")
+    return lines + [""]
+
+
 def corpus_section(result, settings, image):
     """The Markdown of one corpus: the table and its learning curves."""
     seeds = ", ".join(map(str, settings["seeds"]))
@@ -160,8 +222,8 @@ def corpus_section(result, settings, image):
             f"{s['updates_trained']:,} ({s['converged_runs']}/{runs}) | "
             f"{s['train_words_per_s']:,} | {s['encoder_attention_params'] / 1e6:.3f}M |"
         )
+    lines += ["", *claims_lines(result)]
     lines += [
-        "",
         f"![Validation loss of every run against updates and training time, "
         f"{result['description']}](images/{image})",
         "",

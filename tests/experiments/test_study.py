@@ -123,3 +123,29 @@ def test_write_report_writes_markdown_curves_and_json(tmp_path):
         png = tmp_path / folder / "images" / "small_scale_study_bible-en-es.png"
         assert png.read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "s.json").read_text())["corpora"][0]["corpus"] == "bible-en-es"
+
+
+def test_claims_table_compares_each_paper_model_with_the_baseline():
+    def model(bleus, heads=None):
+        runs = [{"bleu": b, "updates_to_convergence": 1, "updates_trained": 1, "converged": True,
+                 "train_words_per_s": 1.0, "encoder_attention_params": 1,
+                 **({"encoder_heads_kept": heads} if heads else {})} for b in bleus]  # fmt: skip
+        return dict(study.summarise(runs), runs=runs)
+
+    result = {"models": {
+        "baseline": model([5.0, 6.0]),
+        "local_tied": model([4.2, 5.2]),  # 0.8 below: within the margin
+        "localness": model([7.0, 8.0]),  # 2 above, spread ~1
+        "dynwin": model([5.0, 6.5]),  # 0.25 above: inside the spread
+        "gates_l0": model([5.0, 6.0], heads=20),  # no BLEU lost, but 20 of 48 heads kept
+        "banded": model([3.0, 4.0]),  # 2 below
+    }}  # fmt: skip
+    table = "\n".join(study_report.claims_lines(result))
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
+    assert rows["Pande et al."].endswith("(-0.80) | holds |")
+    assert rows["Yang et al. 2018"].endswith("(+2.00) | holds |")
+    assert rows["Nguyen et al. 2020"].endswith("(+0.25) | within the seeds' spread |")
+    assert rows["Voita et al. 2019"].endswith("20 of 48 encoder heads kept | does not hold |")
+    assert rows["Alastruey et al. 2022"].endswith("(-2.00) | does not hold |")
+    del result["models"]["baseline"]
+    assert study_report.claims_lines(result) == []
