@@ -122,6 +122,11 @@ def parse_args(argv):
         help="folder of the finished runs' records, read and added to (default: WORK/records)",
     )
     parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: report the runs recorded so far (a study in progress)",
+    )
+    parser.add_argument(
         "--write-docs",
         action="store_true",
         help="also write the report into docs/small_scale_study.md and docs/images/ of the "
@@ -179,7 +184,7 @@ def run_study(args, argv):
         data = prepare(corpus, corpus_dir, args, args.max_train or BUDGETS[corpus]["max_train"])
         result = run_corpus(
             data, corpus_dir, base, args.models.split(","), args.seed_list,
-            max_update, args.patience, args.jobs, records,
+            max_update, args.patience, args.jobs, records, train=not args.report_only,
         )  # fmt: skip
         results.append(dict(result, max_update=max_update))
     settings = {

@@ -81,13 +81,15 @@ def score_run(run, log, corpus, max_update):
 
 
 def run_corpus(
-    corpus, work, base_argv, models, seeds, max_update, patience, jobs, records=None, display=None
-):
+    corpus, work, base_argv, models, seeds, max_update, patience, jobs, records=None,
+    display=None, train=True,
+):  # fmt: skip
     """Train (or continue, or reuse) and score every run of one corpus; a JSON-able summary.
 
     Each run is scored as soon as it is finished and its result recorded in ``records`` (a
     folder, by default ``work/records``); a run recorded there under the same budget is read,
-    not trained."""
+    not trained. With ``train=False`` only the recorded runs are summarised (a study in
+    progress): models without any are left out, and ``missing_runs`` counts the others."""
     records = records or os.path.join(work, "records")
     runs = study_runs(corpus, work, base_argv, models, seeds)
     # seed by seed: a study stopped part-way has every model's first seeds
@@ -114,13 +116,16 @@ def run_corpus(
         )
         results[run.save_dir] = result
 
-    study.train_runs(
-        to_train, max_update, patience, jobs, display or ProgressDisplay(),
-        on_finished=score_and_record,
-    )  # fmt: skip
+    if train:
+        study.train_runs(
+            to_train, max_update, patience, jobs, display or ProgressDisplay(),
+            on_finished=score_and_record,
+        )  # fmt: skip
     summary = {}
     for name, model_runs in runs.items():
-        model_results = [results[run.save_dir] for run in model_runs]
+        model_results = [results[run.save_dir] for run in model_runs if run.save_dir in results]
+        if not model_results:
+            continue
         summary[name] = dict(
             study.summarise(model_results), label=study.MODELS[name][0], runs=model_results
         )
@@ -131,6 +136,7 @@ def run_corpus(
         "test_sentences": corpus.test_sentences,
         "models": summary,
         "recorded_runs": len(everything) - len(to_train),
+        "missing_runs": len(everything) - len(results),
     }
 
 
@@ -222,6 +228,14 @@ def corpus_section(result, settings, image):
             f"{s['updates_trained']:,} ({s['converged_runs']}/{runs}) | "
             f"{s['train_words_per_s']:,} | {s['encoder_attention_params'] / 1e6:.3f}M |"
         )
+    if result.get("missing_runs"):
+        done = sum(len(s["runs"]) for s in result["models"].values())
+        lines += [
+            "",
+            f"**A study in progress:** {done} of {done + result['missing_runs']} runs recorded "
+            "so far; the rows show the seeds recorded (models without any are left out), and "
+            "the next session's study continues from the records.",
+        ]
     lines += ["", *claims_lines(result)]
     lines += [
         f"![Validation loss of every run against updates and training time, "

@@ -75,6 +75,14 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     assert "fairseq-generate" not in fourth and not (elsewhere / "bible-en-es" / "runs").exists()
     assert "2 runs read from records of earlier sessions" in fourth
     assert scores(elsewhere / "small_scale_study.json") == scores(work / "small_scale_study.json")
+    # a study in progress reports what is recorded and trains nothing
+    partial = tmp_path / "partial_records"
+    partial.mkdir()
+    (partial / records[0]).write_bytes((work / "records" / records[0]).read_bytes())
+    progress = run_study(elsewhere, 8, "--records", partial, "--report-only")
+    assert "fairseq_train" not in progress and "fairseq-generate" not in progress
+    assert "**A study in progress:** 1 of 2 runs recorded" in progress
+    assert "| transformer (baseline) |" in progress and "| transformer_local_tied" not in progress
     # a smaller budget is another study: its runs are not the recorded ones
     assert "to train or score" in run_study(elsewhere, 4, "--records", work / "records")
 
