@@ -2,7 +2,10 @@
 2-3) and dynamic windows (Nguyen et al. 2020).
 
 Gaussian heads: the window D and centre P of every query, read back by
-``localness.localness_windows``; the centre is reported as an offset from the query, P - i.
+``localness.localness_windows``; the centre is reported as an offset from the query, P - i, and
+as its distance |P - i|: a head that looks around its query keeps the distance near 0, while a
+centre held in the middle of the sentence is about I/4 away on average and one pinned to its
+first or last token about I/2.
 
 Dynamic windows: every window head points at its left and right boundary with two softmaxes
 phi_l, phi_r over the keys (``DynamicWindow.record`` keeps them). Per query i:
@@ -46,14 +49,15 @@ def query_positions(tgt_len: int, src_len: int) -> Tensor:
 
 
 def gaussian_windows(model: nn.Module, sample: dict) -> Dict[AttentionKey, Dict[str, Tensor]]:
-    """(attention type, layer) -> ``window`` D and ``offset`` P - i, each (heads, queries),
-    for a one-sentence sample, and ``heads`` (the Gaussian heads' indices)."""
+    """(attention type, layer) -> ``window`` D, ``offset`` P - i and ``distance`` |P - i|, each
+    (heads, queries), for a one-sentence sample, and ``heads`` (the Gaussian heads' indices)."""
     result = {}
     for key, read in localness_windows(model, sample).items():
         window, centre = read["window"][0].float().cpu(), read["centre"][0].float().cpu()
         entry = {"window": window, "heads": read["heads"]}
         if key[0] != "decoder_cross":
             entry["offset"] = centre - torch.arange(centre.size(-1), dtype=torch.float32)
+            entry["distance"] = entry["offset"].abs()
         result[key] = entry
     return result
 

@@ -2,7 +2,8 @@
 2018, Figures 2-3) and by dynamic-window heads (Nguyen et al. 2020), per layer and head.
 
 Writes ``windows.json`` (per mechanism and layer: mean, quartiles and per-head means of the
-window size and of the centre/boundary offsets from the query), ``windows_gaussian.png`` and/or
+window size, of the centre/boundary offsets from the query and of the centre's distance from
+it), ``windows_gaussian.png`` and/or
 ``windows_dynamic.png`` (window size distribution per layer; per-head mean windows, or the
 boundary offsets) and prints a table. Decoder layers need target sentences (``--data`` or
 ``--target-text``) to be read.
@@ -24,7 +25,7 @@ HELP = (
     "windows learned by Gaussian localness (Yang et al.) and dynamic-window (Nguyen et al.) heads"
 )
 QUANTITIES = {
-    "gaussian": ("window", "offset"),
+    "gaussian": ("window", "offset", "distance"),
     "dynamic": ("size", "left_offset", "right_offset"),
 }
 SIZE = {"gaussian": "window", "dynamic": "size"}
@@ -108,7 +109,8 @@ def summarise(args, statistics: WindowStatistics, sentences: int) -> dict:
     return {
         "checkpoint": args.path,
         "sentences": sentences,
-        "definition": "gaussian: window D and centre offset P - i per query (Yang et al.); "
+        "definition": "gaussian: window D, centre offset P - i and distance |P - i| per query "
+        "(Yang et al.); "
         "dynamic: size E|r - l| + 1 and boundary offsets E[l] - i, E[r] - i of the pointer "
         "softmaxes per query (Nguyen et al.)",
         "mechanisms": {name: layers for name, layers in mechanisms.items() if layers},
@@ -131,13 +133,16 @@ def table(result) -> str:
             size = entry[SIZE[mechanism]]
             offsets = [
                 entry[q]["mean"] if q in entry else None
-                for q in ("offset", "left_offset", "right_offset")
+                for q in ("offset", "distance", "left_offset", "right_offset")
             ]
             rows.append(
                 [mechanism, label(entry), len(entry["heads"]), size["mean"], size["median"]]
                 + offsets
             )
-    headers = ["mechanism", "layer", "heads", "mean size", "median", "centre-i", "l-i", "r-i"]
+    headers = [
+        "mechanism", "layer", "heads", "mean size", "median", "centre-i", "|centre-i|", "l-i",
+        "r-i",
+    ]  # fmt: skip
     return f"learned windows over {result['sentences']} sentences\n" + format_table(headers, rows)
 
 

@@ -42,13 +42,16 @@ def test_subcommand_reads_gaussian_and_dynamic_windows(window_checkpoint, tiny_d
         ("decoder_cross", 0),
     ]
     assert gaussian[0]["window"]["mean"] > 0 and len(gaussian[0]["window"]["per_head_mean"]) == 8
+    offset, distance = gaussian[0]["offset"], gaussian[0]["distance"]
+    assert distance["mean"] >= abs(offset["mean"]) and distance["q1"] >= 0
+    assert len(distance["per_head_mean"]) == 8
     for entry in dynamic:
         assert entry["size"]["q1"] >= 1
     assert "right_offset" in dynamic[1] and "right_offset" not in dynamic[2]
     assert dynamic[1]["right_offset"]["q3"] <= 0  # a causal decoder cannot point ahead
     for name in ("windows_gaussian.png", "windows_dynamic.png"):
         assert (out / name).stat().st_size > 1000
-    assert "mean size" in proc.stdout
+    assert "mean size" in proc.stdout and "|centre-i|" in proc.stdout
 
 
 def test_model_without_learned_windows_gets_a_clear_message(trained_checkpoint, tiny_data, capsys):
