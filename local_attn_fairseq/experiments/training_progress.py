@@ -21,6 +21,8 @@ _JSON_LINE = re.compile(
     r"(?:\| |^INFO:)(?P<tag>train_inner|train|valid)(?: \| |:)(?P<stats>\{.*\})\s*$"
 )
 DONE_TRAINING = "done training in"  # fairseq-train's last log line
+# logged at the start of every epoch, also by a run resumed into the log of its earlier part
+EPOCH_BEGINS = "begin training epoch"
 
 
 def json_log_options(interval):
@@ -105,6 +107,8 @@ class RunLog:
     def read_line(self, line):
         if DONE_TRAINING in line:
             self.finished = True
+        elif EPOCH_BEGINS in line:  # a run continued under a higher cap trains again
+            self.finished = False
         parsed = parse_line(line)
         if parsed is None:
             return

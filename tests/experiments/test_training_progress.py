@@ -56,6 +56,26 @@ def test_run_log_follows_a_growing_file_and_estimates_time_left(tmp_path):
     assert format_duration(3 * 3600 + 65) == "3h01m"
 
 
+def test_a_run_resumed_into_its_finished_log_is_training_again(tmp_path):
+    path = tmp_path / "train.log"
+    path.write_text(
+        'x | INFO | train_inner | {"epoch": 4, "update": 3.9, "loss": "6.0", "wps": "900", '
+        '"ups": "2", "num_updates": "40"}\n'
+        "x | INFO | fairseq_cli.train | done training in 20.0 seconds\n"
+    )
+    run = RunLog(str(path), "model", max_update=100)
+    run.update()
+    assert run.finished and run.line().endswith("| done")
+    with open(path, "a") as log:  # the study raised the cap: the same run continues
+        log.write(
+            "x | INFO | fairseq.trainer | begin training epoch 5\n"
+            'x | INFO | train_inner | {"epoch": 5, "update": 4.2, "loss": "5.9", "wps": "900", '
+            '"ups": "2", "num_updates": "50"}\n'
+        )
+    run.update()
+    assert not run.finished and run.line().endswith("| time left 0m25s")
+
+
 def test_plain_mode_prints_lines_only_when_due_and_changed(tmp_path):
     path = tmp_path / "train.log"
     path.write_text('x | INFO | train_inner | {"epoch": 1, "update": 0.1, "num_updates": "5", "ups": "1"}\n')
