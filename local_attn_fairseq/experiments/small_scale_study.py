@@ -99,7 +99,12 @@ def parse_args(argv):
         "(one per epoch; default 3)",
     )
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated training seeds")
-    parser.add_argument("--models", default=",".join(study.MODELS), help="comma-separated subset")
+    parser.add_argument(
+        "--models",
+        default=",".join(study.MODELS),
+        help="comma-separated, among the study's models (default: all of them: "
+        f"{', '.join(study.MODELS)}) and its ablations ({', '.join(study.ABLATIONS)})",
+    )
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs side by side, the cores split between them"
     )
@@ -135,7 +140,7 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     args.corpora = args.corpus.split(",")
     for option, values, known in (
-        ("--models", args.models.split(","), study.MODELS),
+        ("--models", args.models.split(","), study.RUNNABLE),
         ("--corpus", args.corpora, demo.CORPORA),
     ):
         unknown = set(values) - set(known)

@@ -57,6 +57,35 @@ MODELS = {
 }
 
 
+def localness_ablation(label, *options):
+    """Yang et al.'s default localness model with one setting changed."""
+    return f"localness, {label}", ["--arch", "transformer_localness", *options]
+
+
+# Ablations, trained only when --models names them: what explains a model's result against the
+# baseline. "plain" is the control of every plugin model (its attention module, no locality);
+# the others vary one setting of Yang et al.'s localness or Nguyen et al.'s windows at a time.
+ABLATIONS = {
+    "plain": ("transformer_local, no locality (control)", ["--arch", "transformer_local"]),
+    "localness_code": localness_ablation(
+        "centre as in Yang et al.'s code", "--localness-centre", "code"
+    ),
+    "localness_head": localness_ablation("head-specific windows", "--localness-window", "head"),
+    "localness_fixed": localness_ablation("fixed window D = 10", "--localness-window", "fixed"),
+    "localness_layer1": localness_ablation(
+        "encoder layer 1 only", "--localness-layers", "encoder_self:0"
+    ),
+    "baseline_lr1e-3": ("transformer, lr 1e-3", ["--arch", "transformer", "--lr", "1e-3"]),
+    "localness_lr1e-3": localness_ablation("lr 1e-3", "--lr", "1e-3"),
+    "dynwin_enc": (
+        "dynamic windows in the encoder only (AW, layers 1-3)",
+        ["--arch", "transformer_dynwin",
+         "--dynamic-window", "decoder_cross:none decoder_self:none"],
+    ),  # fmt: skip
+}
+RUNNABLE = {**MODELS, **ABLATIONS}  # name -> (label, options), what --models may name
+
+
 def without_options(argv, options):
     """`argv` without the options named in {option: number of values}."""
     kept, tokens = [], iter(argv)

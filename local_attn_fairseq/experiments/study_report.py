@@ -35,8 +35,8 @@ def study_runs(corpus, work, base_argv, models, seeds):
         name: [
             study.TrainingRun(
                 name,
-                study.MODELS[name][0],
-                [corpus.bin_dir, *base_argv, *study.MODELS[name][1], "--seed", str(seed)],
+                study.RUNNABLE[name][0],
+                [corpus.bin_dir, *base_argv, *study.RUNNABLE[name][1], "--seed", str(seed)],
                 work,
             )
             for seed in seeds
@@ -127,7 +127,7 @@ def run_corpus(
         if not model_results:
             continue
         summary[name] = dict(
-            study.summarise(model_results), label=study.MODELS[name][0], runs=model_results
+            study.summarise(model_results), label=study.RUNNABLE[name][0], runs=model_results
         )
     return {
         "corpus": corpus.name,

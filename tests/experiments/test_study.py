@@ -1,15 +1,19 @@
-"""Run keys, convergence, resumed early stopping and the report's place in a tracked document."""
+"""Run keys, convergence, resumed early stopping, the report's place in a tracked document, and
+the models and ablations the study trains."""
 
 import json
 import types
 
 import pytest
-from fairseq import checkpoint_utils
+import torch
+from fairseq import checkpoint_utils, options, tasks
 from fairseq_cli import train
 
-from local_attn_fairseq.experiments import fairseq_train, study, study_report
+from local_attn_fairseq.experiments import demo, fairseq_train, study, study_report
+from local_attn_fairseq.experiments.small_scale_study import TINY_WIDTHS
 from local_attn_fairseq.experiments.fairseq_runner import USER_DIR, RunFailed
 from local_attn_fairseq.experiments.training_progress import Validation
+from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
 
 
 def test_run_key_depends_on_settings_not_on_the_budget():
@@ -149,3 +153,64 @@ def test_claims_table_compares_each_paper_model_with_the_baseline():
     assert rows["Alastruey et al. 2022"].endswith("(-2.00) | does not hold |")
     del result["models"]["baseline"]
     assert study_report.claims_lines(result) == []
+
+
+def build_study_model(data_bin, name):
+    """The model a study run of ``name`` trains (at the --tiny widths), built by fairseq's own
+    argument parsing from the run's options."""
+    argv = [str(data_bin), "--user-dir", USER_DIR, *demo.MODEL_DIMS, *TINY_WIDTHS]
+    args = options.parse_args_and_arch(
+        options.get_training_parser(), [*argv, *study.RUNNABLE[name][1]]
+    )
+    task = tasks.setup_task(args)
+    return task.build_model(args)
+
+
+def locality_by_module(model):
+    """(attention type, layer) -> which mechanisms the module carries."""
+    found = {}
+    for module in model.modules():
+        if isinstance(module, LocalMultiheadAttention):
+            found[(module.attention_type, module.layer_index)] = {
+                "localness": module.localness is not None,
+                "dynamic": bool(module.dynamic_windows),
+                "local heads": module.has_local_heads,
+            }
+    return found
+
+
+@pytest.mark.parametrize("name", list(study.RUNNABLE))
+def test_every_study_model_and_ablation_builds_and_translates(tiny_data, name):
+    model = build_study_model(tiny_data / "bin", name)
+    model.eval()
+    src = torch.tensor([[5, 6, 7, 8, 9, 2]])
+    out, _ = model(src, torch.tensor([6]), torch.tensor([[2, 5, 6]]))
+    assert torch.isfinite(out).all()
+
+
+def test_ablations_change_one_setting_of_their_model(tiny_data):
+    plain = locality_by_module(build_study_model(tiny_data / "bin", "plain"))
+    assert plain and not any(any(m.values()) for m in plain.values())
+
+    dynwin = locality_by_module(build_study_model(tiny_data / "bin", "dynwin"))
+    encoder_only = locality_by_module(build_study_model(tiny_data / "bin", "dynwin_enc"))
+    assert {k for k, m in dynwin.items() if m["dynamic"]} > {
+        k for k, m in encoder_only.items() if m["dynamic"]
+    } == {("encoder_self", layer) for layer in range(3)}
+
+    first_layer = locality_by_module(build_study_model(tiny_data / "bin", "localness_layer1"))
+    assert {k for k, m in first_layer.items() if m["localness"]} == {("encoder_self", 0)}
+    strategies = {
+        name: {
+            m.localness.strategy + "/" + m.localness.centre
+            for m in build_study_model(tiny_data / "bin", name).modules()
+            if isinstance(m, LocalMultiheadAttention) and m.localness is not None
+        }
+        for name in ("localness", "localness_code", "localness_head", "localness_fixed")
+    }
+    assert strategies == {
+        "localness": {"query/paper"},
+        "localness_code": {"query/code"},
+        "localness_head": {"head/paper"},
+        "localness_fixed": {"fixed/paper"},
+    }
