@@ -213,6 +213,13 @@ def corpus_section(result, settings, image):
         f"validation loss had not improved for {settings['patience']} validations (one per "
         f"epoch) or at {result['max_update']:,} updates.",
         "",
+    ]
+    if not result["models"]:
+        return lines + [
+            f"No run of this corpus is recorded yet ({result.get('missing_runs', 0)} to train).",
+            "",
+        ]
+    lines += [
         "| model | BLEU (mean ± std) | BLEU min-max | updates to convergence | updates trained "
         "(runs converged) | train words/s | encoder attention params |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -234,7 +241,7 @@ def corpus_section(result, settings, image):
             "",
             f"**A study in progress:** {done} of {done + result['missing_runs']} runs recorded "
             "so far; the rows show the seeds recorded (models without any are left out), and "
-            "the next session's study continues from the records.",
+            "running the study again continues from the records.",
         ]
     lines += ["", *claims_lines(result)]
     lines += [
@@ -259,7 +266,7 @@ def report(results, settings, images):
     for result in results:
         lines += corpus_section(result, settings, images[result["corpus"]])
     recorded = sum(r.get("recorded_runs", 0) for r in results)
-    earlier = f"; {recorded} runs read from records of earlier sessions" if recorded else ""
+    earlier = f"; {recorded} runs read from records of earlier runs of the study" if recorded else ""
     lines += [
         f"Command: `{settings['command'].strip()}` ({settings['minutes']:.0f} minutes on "
         f"{settings['machine']}{earlier}).",
@@ -284,6 +291,8 @@ def write_report(results, settings, targets, json_path):
     section = report(results, settings, images)
     for markdown_path, image_dir in targets:
         for result in results:
+            if not result["models"]:
+                continue  # nothing recorded yet: no curves
             curves = {
                 s["label"]: [
                     [Validation(**v) for v in run["validations"]] for run in s["runs"]

@@ -127,6 +127,13 @@ def test_write_report_writes_markdown_curves_and_json(tmp_path):
         png = tmp_path / folder / "images" / "small_scale_study_bible-en-es.png"
         assert png.read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "s.json").read_text())["corpora"][0]["corpus"] == "bible-en-es"
+    # a corpus of a study in progress with nothing recorded yet: a line, no empty table or plot
+    empty = dict(result, corpus="ding-de-en", description="Ding de-en", models={}, missing_runs=18)
+    section = study_report.write_report([empty, result], settings, targets, str(tmp_path / "s.json"))
+    ding = section.split("### Ding de-en")[1].split("###")[0]
+    assert "No run of this corpus is recorded yet (18 to train)." in ding
+    assert "| model |" not in ding and "![" not in ding
+    assert not (tmp_path / "work" / "images" / "small_scale_study_ding-de-en.png").exists()
 
 
 def test_claims_table_compares_each_paper_model_with_the_baseline():

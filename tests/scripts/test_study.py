@@ -73,7 +73,7 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     fourth = run_study(elsewhere, 8, "--records", work / "records")
     assert fourth.count("reused") == 2 and "fairseq_train" not in fourth
     assert "fairseq-generate" not in fourth and not (elsewhere / "bible-en-es" / "runs").exists()
-    assert "2 runs read from records of earlier sessions" in fourth
+    assert "2 runs read from records of earlier runs of the study" in fourth
     assert scores(elsewhere / "small_scale_study.json") == scores(work / "small_scale_study.json")
     # a study in progress reports what is recorded and trains nothing
     partial = tmp_path / "partial_records"
