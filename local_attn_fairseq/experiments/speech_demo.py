@@ -158,14 +158,26 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true", help="small corpus, one epoch each")
     parser.add_argument("--asr-epochs", type=int, help="ASR pre-training epochs")
     parser.add_argument("--st-epochs", type=int, help="epochs of each ST model")
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        help=f"training utterances (default {FULL['train']}; --quick {QUICK['train']}); "
+        "Ding's training split has about 13,000 sentences short enough",
+    )
     parser.add_argument("--workers", type=int, default=2, help="synthesis and preparation")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for option in ("asr_epochs", "st_epochs", "train_size"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1")
+    return args
 
 
 def run_demo(args):
     sizes = dict(QUICK if args.quick else FULL)
     sizes["asr_epochs"] = args.asr_epochs or sizes["asr_epochs"]
     sizes["st_epochs"] = args.st_epochs or sizes["st_epochs"]
+    sizes["train"] = args.train_size or sizes["train"]
     work = os.path.abspath(args.work_dir)
     os.makedirs(work, exist_ok=True)
     # Each corpus size and vocabulary gets its own directories: a --quick run never reuses

@@ -52,10 +52,10 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
 def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     work = tmp_path / "speech"
     cmd = [sys.executable, os.path.join(REPO, "scripts", "demo_speech.py"), "--quick"]
-    cmd += ["--work-dir", work]
+    cmd += ["--work-dir", work, "--train-size", "80"]
     out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    asr_dir = work / "runs_96-16-16_spm250" / "asr_ctc_e1"
+    asr_dir = work / "runs_80-16-16_spm250" / "asr_ctc_e1"
     windows = (asr_dir / "contributions" / "windows.txt").read_text().strip()
     table = out.stdout[out.stdout.index("| model |") :]
     assert re.search(r"\| ASR \(global\) \| 0,0,0,0,0,0 \| WER [\d.]+ \|", table)
@@ -76,8 +76,11 @@ def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     assert (
         "loaded pretrained encoder" in st_log and f"encoder attention windows: {windows}" in st_log
     )
-    rows = json.loads((work / "results.json").read_text())["rows"]
-    assert [r["metric"] for r in rows] == ["WER", "BLEU", "BLEU"]
+    results = json.loads((work / "results.json").read_text())
+    assert [r["metric"] for r in results["rows"]] == ["WER", "BLEU", "BLEU"]
+    assert results["sizes"]["train"] == 80
+    train_yaml = work / "corpus_80-16-16" / "en-de" / "data" / "train" / "txt" / "train.yaml"
+    assert train_yaml.read_text().count("wav:") == 80
 
     # a run that stopped before its end is trained and scored again; finished ones are reused
     log = local_dir / "train.log"
