@@ -23,6 +23,8 @@ _JSON_LINE = re.compile(
 DONE_TRAINING = "done training in"  # fairseq-train's last log line
 # logged at the start of every epoch, also by a run resumed into the log of its earlier part
 EPOCH_BEGINS = "begin training epoch"
+# a resumed run's starting point: what its log holds beyond it is trained again
+_CHECKPOINT_LOADED = re.compile(r"Loaded checkpoint .* \(epoch (\d+) @ (\d+) updates\)")
 
 
 def json_log_options(interval):
@@ -86,7 +88,7 @@ class RunLog:
     loss: float = None
     words_per_s: float = None
     updates_per_s: float = None
-    epoch_words_per_s: list = field(default_factory=list)
+    words_per_s_by_epoch: dict = field(default_factory=dict)  # epoch -> its training words/s
     validations: list = field(default_factory=list)
     finished: bool = False
     _offset: int = 0
@@ -109,6 +111,10 @@ class RunLog:
             self.finished = True
         elif EPOCH_BEGINS in line:  # a run continued under a higher cap trains again
             self.finished = False
+        loaded = _CHECKPOINT_LOADED.search(line)
+        if loaded:
+            self.resume_from(int(loaded[1]), int(loaded[2]))
+            return
         parsed = parse_line(line)
         if parsed is None:
             return
@@ -128,7 +134,7 @@ class RunLog:
             self.epoch_progress = float(self.epoch)
             self.loss = _number(stats, "train_loss") if "train_loss" in stats else self.loss
             if _number(stats, "train_wps") is not None:
-                self.epoch_words_per_s.append(_number(stats, "train_wps"))
+                self.words_per_s_by_epoch[self.epoch] = _number(stats, "train_wps")
         elif tag == "valid" and _number(stats, "valid_loss") is not None:
             entry = Validation(
                 self.epoch,
@@ -139,6 +145,20 @@ class RunLog:
             # a validation logged again after a resume replaces the one of the same update
             self.validations = [v for v in self.validations if v.num_updates != entry.num_updates]
             self.validations.append(entry)
+
+    def resume_from(self, epoch, num_updates):
+        """The run restarts from a checkpoint at the start of `epoch`: the updates an
+        interrupted earlier part logged beyond it, and their validations, are undone."""
+        self.epoch, self.num_updates = epoch, num_updates
+        self.epoch_progress = float(epoch - 1)
+        self.validations = [v for v in self.validations if v.num_updates <= num_updates]
+        for later in [e for e in self.words_per_s_by_epoch if e >= epoch]:
+            del self.words_per_s_by_epoch[later]
+
+    @property
+    def epoch_words_per_s(self):
+        """Training words/s of every epoch trained, in order."""
+        return [self.words_per_s_by_epoch[e] for e in sorted(self.words_per_s_by_epoch)]
 
     def time_left(self):
         """Seconds until the cap at the current speed, or None while unknown."""

@@ -76,6 +76,30 @@ def test_a_run_resumed_into_its_finished_log_is_training_again(tmp_path):
     assert not run.finished and run.line().endswith("| time left 0m25s")
 
 
+def test_a_run_resumed_from_an_earlier_checkpoint_forgets_what_it_trains_again(tmp_path):
+    path = tmp_path / "train.log"
+    epoch = 'x | INFO | {} | {{"epoch": {}, "{}num_updates": "{}", "{}": "{}"}}\n'
+    path.write_text(
+        epoch.format("train", 1, "train_", 30, "train_wps", 900)
+        + epoch.format("valid", 1, "valid_", 30, "valid_loss", 7.0)
+        + epoch.format("train", 2, "train_", 60, "train_wps", 950)
+        + epoch.format("valid", 2, "valid_", 60, "valid_loss", 6.5)
+        + 'x | INFO | train_inner | {"epoch": 3, "update": 2.5, "num_updates": "75", "ups": "2"}\n'
+    )  # killed in epoch 3 before its checkpoint, and again before epoch 2's was saved
+    run = RunLog(str(path), "model", max_update=100)
+    run.update()
+    assert run.num_updates == 75
+    with open(path, "a") as log:
+        log.write(
+            "x | INFO | fairseq.trainer | Loaded checkpoint /runs/m/checkpoint_last.pt "
+            "(epoch 2 @ 30 updates)\n"
+        )
+    run.update()
+    assert (run.epoch, run.num_updates) == (2, 30) and "updates 30/100" in run.line()
+    assert [v.num_updates for v in run.validations] == [30]
+    assert run.epoch_words_per_s == [900.0]
+
+
 def test_plain_mode_prints_lines_only_when_due_and_changed(tmp_path):
     path = tmp_path / "train.log"
     path.write_text('x | INFO | train_inner | {"epoch": 1, "update": 0.1, "num_updates": "5", "ups": "1"}\n')
