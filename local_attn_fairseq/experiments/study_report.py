@@ -169,12 +169,13 @@ def claim_verdict(kind, model, baseline):
     if kind == "better":
         if diff > spread:
             return measured, "holds"
-        return measured, "does not hold" if diff < -spread else "within the seeds' spread"
+        return measured, "does not hold" if diff < -spread else "not shown (within the seeds' spread)"
     verdict = "holds" if diff >= -NO_WORSE_MARGIN else "does not hold"
     if kind == "pruned":
         kept = model["encoder_heads_kept"]
         mean_kept = sum(kept) / len(kept)
-        measured += f", {mean_kept:.0f} of {ENCODER_HEADS} encoder heads kept"
+        heads = f"{min(kept)}" if min(kept) == max(kept) else f"{min(kept)}-{max(kept)}"
+        measured += f", {heads} of {ENCODER_HEADS} encoder heads kept"
         if mean_kept > ENCODER_HEADS / 4:
             verdict = "does not hold"
     return measured, verdict
@@ -183,7 +184,8 @@ def claim_verdict(kind, model, baseline):
 def claims_lines(result):
     """The claims table of one corpus: every claim whose model and the baseline were run."""
     models = result["models"]
-    if "baseline" not in models:
+    claimed = [c for c in CLAIMS if c[0] in models]
+    if "baseline" not in models or not claimed:
         return []
     seeds = len(models["baseline"]["runs"])
     lines = [
@@ -195,10 +197,9 @@ def claims_lines(result):
         "| paper | claim | measured | verdict |",
         "|---|---|---|---|",
     ]
-    for name, paper, claim, kind in CLAIMS:
-        if name in models:
-            measured, verdict = claim_verdict(kind, models[name], models["baseline"])
-            lines.append(f"| {paper} | {claim} | {measured} | {verdict} |")
+    for name, paper, claim, kind in claimed:
+        measured, verdict = claim_verdict(kind, models[name], models["baseline"])
+        lines.append(f"| {paper} | {claim} | {measured} | {verdict} |")
     return lines + [""]
 
 
@@ -266,7 +267,8 @@ def report(results, settings, images):
     for result in results:
         lines += corpus_section(result, settings, images[result["corpus"]])
     recorded = sum(r.get("recorded_runs", 0) for r in results)
-    earlier = f"; {recorded} runs read from records of earlier runs of the study" if recorded else ""
+    runs = "run" if recorded == 1 else "runs"
+    earlier = f"; {recorded} {runs} read from records of earlier runs of the study" if recorded else ""
     lines += [
         f"Command: `{settings['command'].strip()}` ({settings['minutes']:.0f} minutes on "
         f"{settings['machine']}{earlier}).",

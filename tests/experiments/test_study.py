@@ -137,10 +137,11 @@ def test_write_report_writes_markdown_curves_and_json(tmp_path):
 
 
 def test_claims_table_compares_each_paper_model_with_the_baseline():
-    def model(bleus, heads=None):
+    def model(bleus, heads=()):
         runs = [{"bleu": b, "updates_to_convergence": 1, "updates_trained": 1, "converged": True,
                  "train_words_per_s": 1.0, "encoder_attention_params": 1,
-                 **({"encoder_heads_kept": heads} if heads else {})} for b in bleus]  # fmt: skip
+                 **({"encoder_heads_kept": h} if h else {})}
+                for b, h in zip(bleus, heads or [None] * len(bleus))]  # fmt: skip
         return dict(study.summarise(runs), runs=runs)
 
     result = {"models": {
@@ -148,16 +149,18 @@ def test_claims_table_compares_each_paper_model_with_the_baseline():
         "local_tied": model([4.2, 5.2]),  # 0.8 below: within the margin
         "localness": model([7.0, 8.0]),  # 2 above, spread ~1
         "dynwin": model([5.0, 6.5]),  # 0.25 above: inside the spread
-        "gates_l0": model([5.0, 6.0], heads=20),  # no BLEU lost, but 20 of 48 heads kept
+        "gates_l0": model([5.0, 6.0], heads=[18, 22]),  # no BLEU lost, but 20 of 48 heads kept
         "banded": model([3.0, 4.0]),  # 2 below
     }}  # fmt: skip
     table = "\n".join(study_report.claims_lines(result))
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
     assert rows["Pande et al."].endswith("(-0.80) | holds |")
     assert rows["Yang et al. 2018"].endswith("(+2.00) | holds |")
-    assert rows["Nguyen et al. 2020"].endswith("(+0.25) | within the seeds' spread |")
-    assert rows["Voita et al. 2019"].endswith("20 of 48 encoder heads kept | does not hold |")
+    assert rows["Nguyen et al. 2020"].endswith("(+0.25) | not shown (within the seeds' spread) |")
+    assert rows["Voita et al. 2019"].endswith("18-22 of 48 encoder heads kept | does not hold |")
     assert rows["Alastruey et al. 2022"].endswith("(-2.00) | does not hold |")
+    only_baseline = {"models": {"baseline": result["models"]["baseline"]}}
+    assert study_report.claims_lines(only_baseline) == []  # no claim to test: no empty table
     del result["models"]["baseline"]
     assert study_report.claims_lines(result) == []
 
