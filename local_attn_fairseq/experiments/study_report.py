@@ -169,7 +169,9 @@ def claim_verdict(kind, model, baseline):
     if kind == "better":
         if diff > spread:
             return measured, "holds"
-        return measured, "does not hold" if diff < -spread else "not shown (within the seeds' spread)"
+        if diff < -spread:
+            return measured, "does not hold"
+        return measured, "not shown (within the seeds' spread)"
     verdict = "holds" if diff >= -NO_WORSE_MARGIN else "does not hold"
     if kind == "pruned":
         kept = model["encoder_heads_kept"]
@@ -268,7 +270,8 @@ def report(results, settings, images):
         lines += corpus_section(result, settings, images[result["corpus"]])
     recorded = sum(r.get("recorded_runs", 0) for r in results)
     runs = "run" if recorded == 1 else "runs"
-    earlier = f"; {recorded} {runs} read from records of earlier runs of the study" if recorded else ""
+    earlier = f"; {recorded} {runs} read from records of earlier runs of the study"
+    earlier = earlier if recorded else ""
     lines += [
         f"Command: `{settings['command'].strip()}` ({settings['minutes']:.0f} minutes on "
         f"{settings['machine']}{earlier}).",
