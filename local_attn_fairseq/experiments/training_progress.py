@@ -25,6 +25,8 @@ DONE_TRAINING = "done training in"  # fairseq-train's last log line
 EPOCH_BEGINS = "begin training epoch"
 # a resumed run's starting point: what its log holds beyond it is trained again
 _CHECKPOINT_LOADED = re.compile(r"Loaded checkpoint .* \(epoch (\d+) @ (\d+) updates\)")
+# a resumed run that finds no checkpoint (killed before its first was saved) starts over
+_NO_CHECKPOINT = "No existing checkpoint found"
 
 
 def json_log_options(interval):
@@ -91,6 +93,7 @@ class RunLog:
     words_per_s_by_epoch: dict = field(default_factory=dict)  # epoch -> its training words/s
     validations: list = field(default_factory=list)
     finished: bool = False
+    resuming: bool = False  # a new part of the run started; its checkpoint is not loaded yet
     _offset: int = 0
     _pending: str = ""
 
@@ -115,10 +118,14 @@ class RunLog:
         if loaded:
             self.resume_from(int(loaded[1]), int(loaded[2]))
             return
+        if _NO_CHECKPOINT in line:
+            self.resume_from(1, 0)
+            return
         parsed = parse_line(line)
         if parsed is None:
             return
         tag, stats = parsed
+        self.resuming = False
         prefix = "" if tag == "train_inner" else tag + "_"
         updates = _number(stats, prefix + "num_updates")
         if stats.get("epoch") is not None:
@@ -149,6 +156,7 @@ class RunLog:
     def resume_from(self, epoch, num_updates):
         """The run restarts from a checkpoint at the start of `epoch`: the updates an
         interrupted earlier part logged beyond it, and their validations, are undone."""
+        self.resuming = False
         self.epoch, self.num_updates = epoch, num_updates
         self.epoch_progress = float(epoch - 1)
         self.validations = [v for v in self.validations if v.num_updates <= num_updates]
@@ -176,6 +184,8 @@ class RunLog:
 
     def line(self):
         """One line: label, epoch, updates, loss, words/s, time left."""
+        if self.resuming:  # what the log says so far is the earlier part's, not where it resumes
+            return f"{self.label}: resuming from its last checkpoint"
         if self.finished:
             state = "done"
         elif self.num_updates == 0:
@@ -192,6 +202,8 @@ class RunLog:
         )
 
     def progress_fraction(self):
+        if self.resuming:
+            return None
         if self.finished:
             return 1.0
         if self.max_update:

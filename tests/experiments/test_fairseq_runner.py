@@ -127,12 +127,17 @@ def test_parallel_one_trains_one_job_after_the_other(tmp_path):
 
 def test_a_fresh_run_replaces_its_old_log_and_a_resumed_one_continues_it(tmp_path):
     fresh = fake_job(tmp_path, "fresh", updates=3)
-    resumed = fake_job(tmp_path, "resumed", updates=8, append=True)
+    resumed = fake_job(tmp_path, "resumed", updates=8, pause=0.3, append=True)
     for job in (fresh, resumed):
         os.makedirs(os.path.dirname(job.log_path))
         with open(job.log_path, "w") as log:  # an earlier session, stopped at 7 updates
             log.write('x | INFO | train_inner | {"epoch": 1, "num_updates": "7"}\n' * 50)
-    train_side_by_side([fresh, resumed], display=quiet_display()[0], poll=0.05)
+    display, stream = quiet_display()
+    train_side_by_side([fresh, resumed], display=display, poll=0.05)
+    # until the resumed part logs, its line shows no count of the earlier part's
+    progress = [line for line in stream.getvalue().splitlines() if "| resumed:" in line]
+    assert progress[0] == "| progress | resumed: resuming from its last checkpoint"
+    assert not any("updates 7/10" in line for line in progress) and progress[-1].endswith("done")
     fresh_log, resumed_log = open(fresh.log_path).read(), open(resumed.log_path).read()
     assert '"num_updates": "7"' not in fresh_log and fresh.progress.num_updates == 3
     assert resumed_log.count('"num_updates": "7"') == 50 and resumed.progress.num_updates == 8
