@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 
+from ..cli_types import positive_int
 from ..file_safety import atomic_write_text, claim_output_dir
 from .text import lines_text
 
@@ -218,18 +219,15 @@ def main(argv=None):
         action="store_true",
         help="write into an --out-dir that holds other files (their split files are replaced)",
     )
-    parser.add_argument("--max-train", type=int, help="keep the first N training pairs")
-    parser.add_argument("--valid-size", type=int, help="keep the first N validation pairs")
-    parser.add_argument("--test-size", type=int, help="keep the first N test pairs")
+    parser.add_argument("--max-train", type=positive_int, help="keep the first N training pairs")
+    parser.add_argument("--valid-size", type=positive_int, help="keep the first N validation pairs")
+    parser.add_argument("--test-size", type=positive_int, help="keep the first N test pairs")
     parser.add_argument(
         "--books",
         help="comma-separated books to read instead of the whole Bible (quick runs); "
         "the held-out books among them still go to valid/test",
     )
     args = parser.parse_args(argv)
-    for option in ("max_train", "valid_size", "test_size"):
-        if getattr(args, option) is not None and getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} must be at least 1")
     books = args.books.split(",") if args.books else None
     try:
         # the marker name stays that of the script, so folders written earlier stay ours

@@ -34,6 +34,7 @@ import numpy as np
 import soundfile as sf
 
 from . import ding
+from ..cli_types import non_negative_int, positive_int
 from ..file_safety import (
     atomic_write_text,
     claim_output_dir,
@@ -208,18 +209,18 @@ def load_pairs(args, sizes):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", required=True, help="corpus root (gets en-de/data/...)")
-    parser.add_argument("--train-size", type=int, default=2000)
-    parser.add_argument("--dev-size", type=int, default=200)
-    parser.add_argument("--test-size", type=int, default=200, help="tst-COMMON utterances")
+    parser.add_argument("--train-size", type=positive_int, default=2000)
+    parser.add_argument("--dev-size", type=positive_int, default=200)
+    parser.add_argument("--test-size", type=positive_int, default=200, help="tst-COMMON utterances")
     parser.add_argument(
         "--utterances-per-talk",
-        type=int,
+        type=positive_int,
         default=1,
         help="utterances per talk wav (MuST-C has many, each a segment with its offset)",
     )
     parser.add_argument(
         "--max-words",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="keep only pairs whose English side has at most this many words (0: all)",
     )
@@ -230,7 +231,7 @@ def main(argv=None):
         "nothing there and refuses split folders it did not write)",
     )
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--workers", type=int, default=2, help="parallel synthesis processes")
+    parser.add_argument("--workers", type=positive_int, default=2, help="parallel synthesis processes")
     parser.add_argument("--source", default=ding.DEFAULT_SOURCE, help="Ding dictionary")
     parser.add_argument(
         "--pairs-dir",
@@ -239,9 +240,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     sizes = {"train": args.train_size, "dev": args.dev_size, "tst-COMMON": args.test_size}
-    for option in ("train_size", "dev_size", "test_size", "utterances_per_talk", "workers"):
-        if getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} must be at least 1")
     if shutil.which("espeak-ng") is None:
         sys.exit("error: espeak-ng not found; install it with 'apt-get install espeak-ng'")
 

@@ -27,6 +27,7 @@ import re
 import statistics
 import time
 
+from ..cli_types import positive_int
 from ..data import bible, ding
 from ..data.text import encode_file, has_binarised, preprocess_argv, train_sentencepiece
 from ..file_safety import atomic_write_text
@@ -233,28 +234,26 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--epochs",
-        type=int,
-        default=int(os.environ["DEMO_EPOCHS"]) if os.environ.get("DEMO_EPOCHS") else None,
+        type=positive_int,
+        default=os.environ.get("DEMO_EPOCHS") or None,  # a string default goes through the type
         help="training epochs per model (env DEMO_EPOCHS; default 16 for ding-de-en, "
         "3 for bible-en-es); more trains longer",
     )
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument(
         "--max-train",
-        type=int,
+        type=positive_int,
         default=None,
         help="train on this many pairs only (quick smoke runs; use a new --work-dir)",
     )
     parser.add_argument(
         "--test-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="test sentences (default: the corpus's test split; quick smoke runs)",
     )
     args = parser.parse_args(argv)
     args.epochs = args.epochs or CORPORA[args.corpus][4]
-    if args.epochs < 1 or any(v is not None and v < 1 for v in (args.max_train, args.test_size)):
-        parser.error("--epochs, --max-train and --test-size must be at least 1")
     return args
 
 

@@ -47,6 +47,7 @@ import os
 import sys
 import time
 
+from ..cli_types import non_negative_int, positive_int
 from . import demo, study
 from .fairseq_runner import USER_DIR, exit_on_failure
 from .study_report import StudyCorpus, run_corpus, write_report
@@ -86,14 +87,14 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--max-update",
-        type=int,
+        type=positive_int,
         help="cap on the updates of a run (default: "
         + ", ".join(f"{c} {b['max_update']}" for c, b in BUDGETS.items())
         + ")",
     )
     parser.add_argument(
         "--patience",
-        type=int,
+        type=non_negative_int,
         default=3,
         help="stop a run when validation loss has not improved for this many validations "
         "(one per epoch; default 3)",
@@ -106,18 +107,18 @@ def parse_args(argv):
         f"{', '.join(study.MODELS)}) and its ablations ({', '.join(study.ABLATIONS)})",
     )
     parser.add_argument(
-        "--jobs", type=int, default=1, help="runs side by side, the cores split between them"
+        "--jobs", type=positive_int, default=1, help="runs side by side, the cores split between them"
     )
-    parser.add_argument("--vocab-size", type=int, default=demo.DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--vocab-size", type=positive_int, default=demo.DEFAULT_VOCAB_SIZE)
     parser.add_argument(
         "--max-train",
-        type=int,
+        type=positive_int,
         help="training pairs (default: "
         + ", ".join(f"{c} {b['max_train'] or 'all'}" for c, b in BUDGETS.items())
         + ")",
     )
     parser.add_argument(
-        "--test-size", type=int, help="test sentences (default: the corpus's whole test split)"
+        "--test-size", type=positive_int, help="test sentences (default: the corpus's whole test split)"
     )
     parser.add_argument(
         "--tiny", action="store_true", help="32-dim models: a smoke run of the script, no study"
@@ -151,10 +152,6 @@ def parse_args(argv):
         args.seed_list = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         parser.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
-    if args.jobs < 1 or args.patience < 0:
-        parser.error("--jobs must be at least 1, --patience at least 0")
-    if any(v is not None and v < 1 for v in (args.test_size, args.max_train, args.max_update)):
-        parser.error("--test-size, --max-train and --max-update must be at least 1")
     return args
 
 

@@ -26,6 +26,7 @@ import json
 import os
 import time
 
+from ..cli_types import positive_int
 from ..file_safety import atomic_write_text
 from .demo import add_work_dir, generated_score, train_unfinished, training_job
 from .fairseq_runner import USER_DIR, exit_on_failure, run_python, run_tool, up_to_date
@@ -156,21 +157,16 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_work_dir(parser, DEFAULT_WORK_DIR, "corpus, runs and results")
     parser.add_argument("--quick", action="store_true", help="small corpus, one epoch each")
-    parser.add_argument("--asr-epochs", type=int, help="ASR pre-training epochs")
-    parser.add_argument("--st-epochs", type=int, help="epochs of each ST model")
+    parser.add_argument("--asr-epochs", type=positive_int, help="ASR pre-training epochs")
+    parser.add_argument("--st-epochs", type=positive_int, help="epochs of each ST model")
     parser.add_argument(
         "--train-size",
-        type=int,
+        type=positive_int,
         help=f"training utterances (default {FULL['train']}; --quick {QUICK['train']}); "
         "Ding's training split has about 13,000 sentences short enough",
     )
-    parser.add_argument("--workers", type=int, default=2, help="synthesis and preparation")
-    args = parser.parse_args(argv)
-    for option in ("asr_epochs", "st_epochs", "train_size"):
-        value = getattr(args, option)
-        if value is not None and value < 1:
-            parser.error(f"--{option.replace('_', '-')} must be at least 1")
-    return args
+    parser.add_argument("--workers", type=positive_int, default=2, help="synthesis and preparation")
+    return parser.parse_args(argv)
 
 
 def run_demo(args):
