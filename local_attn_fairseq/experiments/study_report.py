@@ -183,6 +183,11 @@ def claim_verdict(kind, model, baseline):
     return measured, verdict
 
 
+def counted(number, noun):
+    """"1 seed", "3 seeds": a count with its noun in the right number."""
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
 def claims_lines(result):
     """The claims table of one corpus: every claim whose model and the baseline were run."""
     models = result["models"]
@@ -191,7 +196,7 @@ def claims_lines(result):
         return []
     seeds = len(models["baseline"]["runs"])
     lines = [
-        f"The papers' claims against this corpus's runs (BLEU mean ± std over {seeds} seed(s), "
+        f"The papers' claims against this corpus's runs (BLEU mean ± std over {counted(seeds, 'seed')}, "
         f"model vs baseline; \"little\" is at most {NO_WORSE_MARGIN:.0f} BLEU"
         + ("; one seed gives no spread, so a verdict is provisional" if seeds < 2 else "")
         + "):",
@@ -261,7 +266,7 @@ def report(results, settings, images):
         "## Study to convergence",
         "",
         f"The demo's model ({settings['model']}, 8 heads, 6 encoder and 2 decoder layers, "
-        f"pre-norm) and schedule, {settings['jobs']} run(s) side by side with the cores split "
+        f"pre-norm) and schedule, {counted(settings['jobs'], 'run')} side by side with the cores split "
         "evenly between them (every run under the same load, so words/s compare across models). "
         "Updates to convergence: the update of the best validation loss (mean over seeds).",
         "",
@@ -269,8 +274,7 @@ def report(results, settings, images):
     for result in results:
         lines += corpus_section(result, settings, images[result["corpus"]])
     recorded = sum(r.get("recorded_runs", 0) for r in results)
-    runs = "run" if recorded == 1 else "runs"
-    earlier = f"; {recorded} {runs} read from records of earlier runs of the study"
+    earlier = f"; {counted(recorded, 'run')} read from records of earlier runs of the study"
     earlier = earlier if recorded else ""
     lines += [
         f"Command: `{settings['command'].strip()}` ({settings['minutes']:.0f} minutes on "

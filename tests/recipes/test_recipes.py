@@ -394,7 +394,7 @@ def test_small_scale_study_writes_its_table(tmp_path):
     gated = ding["models"]["gates_l0"]
     assert len(gated["runs"]) == 2 and len(gated["encoder_heads_kept"]) == 2
     table = (work / "small_scale_study.md").read_text()
-    assert "| transformer (baseline) |" in table and "2 run(s) side by side" in table
+    assert "| transformer (baseline) |" in table and "2 runs side by side" in table
     assert "--max-update 2" in table
 
 
