@@ -260,6 +260,16 @@ def corpus_section(result, settings, image):
     return lines
 
 
+def training_hours(results):
+    """The reported runs' training wall time, summed over runs (all sessions of each run)."""
+    seconds = 0.0
+    for result in results:
+        for summary in result["models"].values():
+            for run in summary["runs"]:
+                seconds += max((v.get("wall") or 0.0 for v in run["validations"]), default=0.0)
+    return seconds / 3600
+
+
 def report(results, settings, images):
     """The study's Markdown section; `images` names each corpus's curve file."""
     lines = [
@@ -278,7 +288,8 @@ def report(results, settings, images):
     earlier = earlier if recorded else ""
     lines += [
         f"Command: `{settings['command'].strip()}` ({settings['minutes']:.0f} minutes on "
-        f"{settings['machine']}{earlier}).",
+        f"{settings['machine']}{earlier}; the reported runs trained for "
+        f"{training_hours(results):.1f} hours, each run's time summed).",
         "",
     ]
     return "\n".join(lines)

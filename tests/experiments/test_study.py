@@ -105,7 +105,7 @@ def test_write_report_writes_markdown_curves_and_json(tmp_path):
         {"bleu": b, "updates_to_convergence": 20, "updates_trained": 50, "converged": True,
          "train_words_per_s": 1000.0, "encoder_attention_params": 393216,
          "validations": [{"epoch": 1, "num_updates": 10, "loss": 5.0, "wall": 30.0},
-                         {"epoch": 2, "num_updates": 20, "loss": 4.0, "wall": 60.0}]}
+                         {"epoch": 2, "num_updates": 20, "loss": 4.0, "wall": 1800.0}]}
         for b in (10.0, 12.0)
     ]  # fmt: skip
     result = {
@@ -123,6 +123,8 @@ def test_write_report_writes_markdown_curves_and_json(tmp_path):
     section = study_report.write_report([result], settings, targets, str(tmp_path / "s.json"))
     assert "| transformer (baseline) | 11.00 ± 1.41 | 10.00-12.00 | 20 | 50 (2/2) | 1,000 |" in section
     assert "Earlier numbers." in tracked.read_text() and section in tracked.read_text()
+    assert "1 run side by side" in section  # each run's last validation: 1,800 s
+    assert "the reported runs trained for 1.0 hours, each run's time summed" in section
     for folder in ("work", "docs"):
         png = tmp_path / folder / "images" / "small_scale_study_bible-en-es.png"
         assert png.read_bytes()[:4] == b"\x89PNG"
