@@ -84,7 +84,8 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     assert "**A study in progress:** 1 of 2 runs recorded" in progress
     assert "| transformer (baseline) |" in progress and "| transformer_local_tied" not in progress
     # a smaller budget is another study: its runs are not the recorded ones
-    assert "to train or score" in run_study(elsewhere, 4, "--records", work / "records")
+    smaller = run_study(elsewhere, 4, "--records", work / "records", "--report-only")
+    assert "2 runs, 0 recorded, 2 to train or score" in smaller
 
     report = (work / "small_scale_study.md").read_text()
     assert "images/small_scale_study_bible-en-es.png" in report
