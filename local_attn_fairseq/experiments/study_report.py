@@ -176,11 +176,16 @@ def claim_verdict(kind, model, baseline):
     if kind == "pruned":
         kept = model["encoder_heads_kept"]
         mean_kept = sum(kept) / len(kept)
-        heads = f"{min(kept)}" if min(kept) == max(kept) else f"{min(kept)}-{max(kept)}"
-        measured += f", {heads} of {ENCODER_HEADS} encoder heads kept"
+        measured += f", {heads_kept(kept)} encoder heads kept"
         if mean_kept > ENCODER_HEADS / 4:
             verdict = "does not hold"
     return measured, verdict
+
+
+def heads_kept(kept):
+    """"8 of 48", "8-10 of 48": the encoder heads the seeds' pruned models kept."""
+    heads = f"{min(kept)}" if min(kept) == max(kept) else f"{min(kept)}-{max(kept)}"
+    return f"{heads} of {ENCODER_HEADS}"
 
 
 def counted(number, noun):
@@ -194,11 +199,13 @@ def claims_lines(result):
     claimed = [c for c in CLAIMS if c[0] in models]
     if "baseline" not in models or not claimed:
         return []
-    seeds = len(models["baseline"]["runs"])
+    # a study in progress may have more seeds of some models than of others
+    seeds = sorted({len(models[name]["runs"]) for name in ["baseline"] + [c[0] for c in claimed]})
+    over = counted(seeds[0], "seed") if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]} seeds"
     lines = [
-        f"The papers' claims against this corpus's runs (BLEU mean ± std over {counted(seeds, 'seed')}, "
+        f"The papers' claims against this corpus's runs (BLEU mean ± std over {over}, "
         f"model vs baseline; \"little\" is at most {NO_WORSE_MARGIN:.0f} BLEU"
-        + ("; one seed gives no spread, so a verdict is provisional" if seeds < 2 else "")
+        + ("; one seed gives no spread, so a verdict is provisional" if seeds[0] < 2 else "")
         + "):",
         "",
         "| paper | claim | measured | verdict |",
@@ -235,7 +242,7 @@ def corpus_section(result, settings, image):
     for s in result["models"].values():
         label = s["label"]
         if "encoder_heads_kept" in s:
-            label += f" ({'/'.join(map(str, s['encoder_heads_kept']))} of 48 encoder heads kept)"
+            label += f" ({heads_kept(s['encoder_heads_kept'])} encoder heads kept)"
         runs = len(s["runs"])
         lines.append(
             f"| {label} | {s['bleu_mean']:.2f} ± {s['bleu_std']:.2f} | "
