@@ -29,7 +29,7 @@ def test_int_at_least_accepts_the_minimum_and_refuses_below_it_or_non_numbers():
         ("demo.py", [], {"DEMO_EPOCHS": "0"}, "argument --epochs: must be at least 1, got 0"),
         ("demo_speech.py", ["--train-size", "0"], {}, "argument --train-size: must be at least 1"),
         ("small_scale_study.py", ["--jobs", "0"], {}, "argument --jobs: must be at least 1"),
-        ("small_scale_study.py", ["--patience", "-1"], {}, "argument --patience: must be at least 0"),
+        ("small_scale_study.py", ["--patience", "-1"], {}, "--patience: must be at least 0"),
         ("prepare_bible.py", ["--out-dir", "x", "--max-train", "0"], {}, "--max-train: must be"),
         (
             "data/synthesize_speech_corpus.py",

@@ -231,7 +231,9 @@ def main(argv=None):
         "nothing there and refuses split folders it did not write)",
     )
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--workers", type=positive_int, default=2, help="parallel synthesis processes")
+    parser.add_argument(
+        "--workers", type=positive_int, default=2, help="parallel synthesis processes"
+    )
     parser.add_argument("--source", default=ding.DEFAULT_SOURCE, help="Ding dictionary")
     parser.add_argument(
         "--pairs-dir",

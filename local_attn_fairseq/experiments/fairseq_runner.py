@@ -127,9 +127,8 @@ class TrainingJob:
         line = command_line(cmd[0], cmd[1:])
         print(line, flush=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        if self.append:  # what the earlier parts logged, before this part logs where it resumes
-            self.progress.update()
-            self.progress.resuming = True
+        if self.append:
+            self.progress.continue_log()
         with open(self.log_path, "a" if self.append else "w", encoding="utf-8") as log:
             if self.append:
                 log.write(line + "\n")

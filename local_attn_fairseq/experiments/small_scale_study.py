@@ -107,7 +107,10 @@ def parse_args(argv):
         f"{', '.join(study.MODELS)}) and its ablations ({', '.join(study.ABLATIONS)})",
     )
     parser.add_argument(
-        "--jobs", type=positive_int, default=1, help="runs side by side, the cores split between them"
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help="runs side by side, the cores split between them",
     )
     parser.add_argument("--vocab-size", type=positive_int, default=demo.DEFAULT_VOCAB_SIZE)
     parser.add_argument(
@@ -118,7 +121,9 @@ def parse_args(argv):
         + ")",
     )
     parser.add_argument(
-        "--test-size", type=positive_int, help="test sentences (default: the corpus's whole test split)"
+        "--test-size",
+        type=positive_int,
+        help="test sentences (default: the corpus's whole test split)",
     )
     parser.add_argument(
         "--tiny", action="store_true", help="32-dim models: a smoke run of the script, no study"

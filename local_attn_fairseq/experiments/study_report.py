@@ -283,9 +283,9 @@ def report(results, settings, images):
         "## Study to convergence",
         "",
         f"The demo's model ({settings['model']}, 8 heads, 6 encoder and 2 decoder layers, "
-        f"pre-norm) and schedule, {counted(settings['jobs'], 'run')} side by side with the cores split "
-        "evenly between them (every run under the same load, so words/s compare across models). "
-        "Updates to convergence: the update of the best validation loss (mean over seeds).",
+        f"pre-norm) and schedule, {counted(settings['jobs'], 'run')} side by side with the cores "
+        "split evenly between them (every run under the same load, so words/s compare across "
+        "models). Updates to convergence: the update of the best validation loss (mean over seeds).",
         "",
     ]
     for result in results:

@@ -109,6 +109,12 @@ class RunLog:
         for line in lines:
             self.read_line(line)
 
+    def continue_log(self):
+        """A new part of the run is about to log into the same file: read what the earlier parts
+        logged, and show no count of theirs until this part logs where it resumes."""
+        self.update()
+        self.resuming = True
+
     def read_line(self, line):
         if DONE_TRAINING in line:
             self.finished = True

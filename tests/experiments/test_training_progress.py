@@ -99,11 +99,11 @@ def test_a_run_resumed_from_an_earlier_checkpoint_forgets_what_it_trains_again(t
     assert [v.num_updates for v in run.validations] == [30]
     assert run.epoch_words_per_s == [900.0]
 
-    run.resuming = True  # a later part starts; killed again before any checkpoint was kept
+    run.continue_log()  # a later part starts; killed again before any checkpoint was kept
     assert run.line() == "model: resuming from its last checkpoint"
     assert run.progress_fraction() is None
     with open(path, "a") as log:
-        log.write("x | INFO | fairseq.trainer | No existing checkpoint found /runs/m/checkpoint_last.pt\n")
+        log.write("x | INFO | fairseq.trainer | No existing checkpoint found /runs/m/ckpt.pt\n")
     run.update()
     assert (run.epoch, run.num_updates, run.validations, run.epoch_words_per_s) == (1, 0, [], [])
     assert run.line() == "model: epoch 1 | updates 0/100 | loss - | - words/s | starting"
