@@ -8,6 +8,8 @@ Compared, for each sequence length T and band width w = left + right + 1 (left =
   banded  ``local_attn_fairseq.ops.banded_attention`` on the route of ``--impl`` (the compiled
           kernels by default; ``torch`` is the pure-PyTorch fallback, ``tensor-core`` the
           tensor-core kernel);
+  tensor-core  the same function on the tensor-core kernel, beside the ``banded`` row on a GPU
+          (float16 and bfloat16, head dims 32, 64, 128);
   blocked the same function on its blocked-SDPA route (``LOCAL_ATTN_BANDED_IMPL=sdpa``);
   flex    ``torch.nn.attention.flex_attention`` with a sliding-window ``create_block_mask``,
           compiled with ``torch.compile`` (no backward on the CPU: forward only there; a
@@ -67,7 +69,7 @@ def naive_attention(q, k, v, mask):
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
-IMPLEMENTATIONS = ("banded", "blocked", "flex", "sdpa", "naive", "global")
+IMPLEMENTATIONS = ("banded", "tensor-core", "blocked", "flex", "sdpa", "naive", "global")
 DENSE = ("sdpa", "naive")
 
 
@@ -92,13 +94,28 @@ def flex_runner(length, half, device):
         return (q_idx - kv_idx <= half) & (kv_idx - q_idx <= half)
 
     block_mask = create_block_mask(sliding_window, None, None, length, length, device=str(device))
+    # Every (T, w, mode) cell compiles anew; past dynamo's default of 8 recompilations it would
+    # silently run flex_attention eagerly (the dense T x T path) and time that instead.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     compiled = torch.compile(flex_attention)
     return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask)), None
 
 
-def make_runners(length, width, device, impl, backward):
+def tensor_core_gap(dtype, dim, impl):
+    """Why the tensor-core row of a GPU run has no figure (None when it has one)."""
+    if impl == "tensor-core":
+        return "the banded row"
+    if not extension_info().get("tensor_core"):
+        return "not built"
+    if dtype not in (torch.float16, torch.bfloat16) or dim not in (32, 64, 128):
+        return "float16/bfloat16, D 32/64/128 only"
+    return None
+
+
+def make_runners(length, width, args, backward):
     """name -> (callable(q, k, v) -> out, resident bytes besides its own allocations), and
     name -> why a route has no figure."""
+    device, impl = args.device, args.impl
     half = (width - 1) // 2
     mask = band_mask(length, half, half).to(device)
     sdpa = F.scaled_dot_product_attention
@@ -110,6 +127,12 @@ def make_runners(length, width, device, impl, backward):
         "global": (lambda q, k, v: sdpa(q, k, v), 0),
     }
     notes = {}
+    if device.type == "cuda":  # no row on the CPU, where the kernel cannot run
+        gap = tensor_core_gap(args.dtype, args.dim, impl)
+        if gap is None:
+            runners["tensor-core"] = (on_route("tensor-core", half), 0)
+        else:
+            notes["tensor-core"] = gap
     if backward and device.type == "cpu":
         notes["flex"] = "no CPU backward"
     else:
@@ -147,7 +170,7 @@ def measure(args, length, width, backward):
         torch.randn(shape, generator=gen).to(args.device, args.dtype).requires_grad_(backward)
         for _ in range(3)
     ]
-    runners, notes = make_runners(length, width, args.device, args.impl, backward)
+    runners, notes = make_runners(length, width, args, backward)
     if not dense_fits(args.batch, args.heads, length, args.dense_memory_gb * 2**30):
         for name in DENSE:
             del runners[name]
@@ -179,7 +202,7 @@ def format_rows(length, width, mode, result, flops, peak_tflops):
     """One table row per route: time, speed-ups, memory, band TFLOP/s (or why it is missing)."""
     rows = []
     banded, glob = result.get("banded"), result.get("global")
-    for name in IMPLEMENTATIONS:
+    for name in filter(result.__contains__, IMPLEMENTATIONS):
         cells = [str(length), str(width), mode, name]
         value = result.get(name)
         if not isinstance(value, tuple):

@@ -615,3 +615,32 @@ def test_cuda_head_dim_above_the_kernel_limit_falls_back():
     with implementation("auto"), pytest.warns(RuntimeWarning, match="head dim 300"):
         assert banded_module.choose_route(q.device, q.dtype, 300) == "torch"
         assert_matches_dense(q, k, v, 2, 3)
+
+
+needs_tensor_core = pytest.mark.skipif(
+    not (
+        EXTENSION.get("tensor_core")
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= (8, 0)
+    ),
+    reason="needs the extension's tensor-core kernels and an sm_80+ CUDA device",
+)
+
+
+@needs_tensor_core
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize(
+    "case",
+    ["per_head_asymmetric", "per_head_tensor", "left_padded_sentences", "empty_sentence",
+     "window_beyond_length", "crosses_blocks", "parallel_phases"],
+)  # fmt: skip
+def test_cuda_tensor_core_route_matches_dense_reference(case, dim, dtype):
+    """The user's path to the tensor-core kernel: LOCAL_ATTN_BANDED_IMPL and banded_attention,
+    with its padding and per-head windows, through autograd."""
+    batch, heads, length, _, left, right, padding = CASES[case]
+    q, k, v = make_qkv(batch, heads, length, dim, dtype, device="cuda")
+    padding = make_padding(padding, batch, length)
+    with implementation("tensor-core"):
+        assert banded_module.choose_route(q.device, dtype, dim) == "tensor-core"
+        assert_matches_dense(q, k, v, left, right, None if padding is None else padding.cuda())

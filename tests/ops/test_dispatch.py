@@ -111,9 +111,34 @@ def test_tensor_core_sends_inputs_it_cannot_take_to_the_automatic_route(monkeypa
 
 
 @needs_extension
+@pytest.mark.skipif(not EXTENSION.get("tensor_core"), reason="built without the tensor-core kernel")
+def test_auto_on_a_gpu_takes_the_tensor_core_kernel_where_it_was_measured(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    measured = [
+        (torch.bfloat16, 64, 5), (torch.bfloat16, 64, 1025), (torch.float16, 64, 257),
+        (torch.bfloat16, 32, 33), (torch.bfloat16, 128, 257),
+    ]  # fmt: skip
+    not_measured = [
+        (torch.bfloat16, 64, 3), (torch.bfloat16, 64, 1027), (torch.float16, 64, 513),
+        (torch.float16, 128, 33), (torch.bfloat16, 128, 17), (torch.float32, 64, 33),
+        (torch.bfloat16, 48, 33),
+    ]  # fmt: skip
+    with implementation("auto"):
+        for dtype, dim, width in measured:
+            assert choose_route(CUDA, dtype, dim, width) == "tensor-core", (dtype, dim, width)
+            assert choose_route(CUDA, dtype, dim, width, dropout_p=0.1) == "tensor-core"
+            assert choose_route(CPU, dtype, dim, width) == "extension"
+        for dtype, dim, width in not_measured:
+            assert choose_route(CUDA, dtype, dim, width) == "extension", (dtype, dim, width)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+        assert choose_route(CUDA, torch.bfloat16, 64, 33) == "extension"
+
+
+@needs_extension
 @pytest.mark.skipif(not EXTENSION.get("cuda"), reason="extension built without CUDA kernels")
 def test_auto_on_a_gpu_takes_only_measured_routes(monkeypatch):
-    # Nothing but the CUDA-core kernels has been measured on a GPU: they are the default.
+    # Without measured preferences the CUDA-core kernels are the default on a GPU.
+    monkeypatch.setattr(banded_module, "MEASURED_GPU_PREFERENCES", ())
     with implementation("auto"):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             assert choose_route(CUDA, dtype, 64, 33) == "extension"

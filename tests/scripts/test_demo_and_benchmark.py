@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ..conftest import REPO
 
@@ -145,3 +146,17 @@ def test_kernel_benchmark_prints_every_route(tmp_path):
     for name in ("banded", "blocked", "sdpa", "naive", "global"):
         ms, tflops = rows[name].split(" | ")[4], rows[name].split(" | ")[9]
         assert float(ms) > 0 and float(tflops) > 0, rows[name]
+
+
+def test_gpu_checks_refuse_a_machine_without_a_gpu(tmp_path):
+    script = os.path.join(REPO, "benchmarks", "gpu_checks.sh")
+    usage = subprocess.run(["bash", script], capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage: bash benchmarks/gpu_checks.sh" in usage.stderr
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the checks would run")
+    env = dict(os.environ, PYTHON=sys.executable)
+    out = subprocess.run(
+        ["bash", script, str(tmp_path / "gpu")], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 1 and "sees no CUDA device" in out.stderr
+    assert os.listdir(tmp_path / "gpu") == ["summary.txt"]  # no step started, nothing logged
