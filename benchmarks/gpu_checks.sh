@@ -8,6 +8,8 @@
 # left, a step that would get under 20 s is skipped, and OUT_DIR/summary.txt says what ran and
 # how it ended. Run it where `python` has torch with CUDA, fairseq and this package (built with
 # its CUDA kernels); docs/banded_attention_gpu.md holds the results of one such run.
+# PYTHON names another interpreter; GPU_CHECKS_PYTEST_ARGS adds options to the test step (a
+# --deselect, say, where fairseq's console scripts or the Ding data are missing).
 set -u
 if [ $# -lt 1 ]; then
     echo "usage: bash benchmarks/gpu_checks.sh OUT_DIR [SECONDS]" >&2
@@ -52,7 +54,7 @@ step tests tests.log 150 "$PYTHON" -m pytest -q -n 8 -rfEs \
     tests/ops/test_banded_tensor_core.py tests/ops/test_banded_attention.py \
     tests/ops/test_blocked_sdpa.py tests/ops/test_dispatch.py \
     tests/modules/test_mixed_precision.py tests/locality/test_dynamic_window.py \
-    -k "cuda or tensor_core or gpu"
+    -k "cuda or tensor_core or gpu" ${GPU_CHECKS_PYTEST_ARGS:-}
 step kernel_bf16 kernel.log 230 "${KERNEL[@]}" --dtype bfloat16 --dim 64 --backward \
     --lengths 4096 16384 1024 --widths 33 129 257 --output "$OUT_DIR/kernel_bf16.md"
 step kernel_fp16 kernel.log 70 "${KERNEL[@]}" --dtype float16 --dim 64 --backward \
