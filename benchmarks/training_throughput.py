@@ -31,7 +31,9 @@ The run also counts the floating-point operations of each model's matrix product
 batches: their ratio is the most any implementation can reach where those products bound the
 speed, as they do on a CPU. The differentiable window's pointer and local projections alone
 (four, resp. six d x d matrices per attention module, Eqs. 7-8 and 14-15) put that ceiling at
-0.78 for Transformer base, below the 0.90 target.
+0.78 for Transformer base, below the 0.90 target. It counts too the aten operations of forward
+and backward per batch (views aside): where the host bounds a step, as on a GPU with small batches
+and short sentences, their ratio, not the arithmetic, sets the speed.
 """
 
 import argparse
@@ -44,6 +46,7 @@ from fairseq import options, tasks, utils
 from torch.utils.flop_counter import FlopCounterMode
 
 from local_attn_fairseq.experiments import demo  # the demo's data preparation and model sizes
+from local_attn_fairseq.experiments.measurement import OperationCounter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,16 +119,17 @@ def train_steps(model, criterion, optimizer, batches):
     return time.perf_counter() - start
 
 
-def training_flops(model, criterion, batches):
+def training_cost(model, criterion, batches):
     """Floating-point operations of the matrix products (linear layers, attention products) of
-    forward and backward over the batches: what bounds the speed of a compute-bound machine."""
+    forward and backward over the batches, what bounds the speed of a compute-bound machine, and
+    the number of aten operations they run, what bounds a step that waits on the host."""
     model.train()
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as flops, OperationCounter() as operations:
         for sample in batches:
             loss, _, _ = criterion(model, sample)
             loss.backward()
     model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
+    return flops.get_total_flops(), operations.count
 
 
 def parse_args():
@@ -217,8 +221,8 @@ def main():
         batches = [to_precision(b, PRECISIONS[args.precision]) for b in batches]
     words = sum(b["ntokens"] for b in batches)
 
-    flops = {
-        label: training_flops(model, crit, batches) for label, (model, crit, _) in models.items()
+    costs = {
+        label: training_cost(model, crit, batches) for label, (model, crit, _) in models.items()
     }
     for model, criterion, optimizer in models.values():  # warm-up, not timed
         train_steps(model, criterion, optimizer, batches[:3])
@@ -227,7 +231,7 @@ def main():
     for r in range(args.rounds):
         for label in labels if r % 2 == 0 else labels[::-1]:
             rates[label].append(words / train_steps(*models[label], batches))
-    report(args, labels, rates, flops, words)
+    report(args, labels, rates, costs, words)
 
 
 def to_precision(sample, dtype):
@@ -237,7 +241,9 @@ def to_precision(sample, dtype):
     )
 
 
-def report(args, labels, rates, flops, words):
+def report(args, labels, rates, costs, words):
+    flops = {label: cost[0] for label, cost in costs.items()}
+    operations = {label: cost[1] / args.batches for label, cost in costs.items()}
     sizes = "Transformer base sizes" if args.base_sizes else "demo sizes"
     if args.device.type == "cuda":
         where = torch.cuda.get_device_name(args.device)
@@ -248,8 +254,11 @@ def report(args, labels, rates, flops, words):
         f"x {args.rounds} rounds ({words} target words per pass), {where}, torch "
         f"{torch.__version__}\n"
     )
-    print("| model | median words/s | min | max | GFLOP per pass | ratio | FLOP ceiling |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| model | median words/s | min | max | GFLOP per pass | ratio | FLOP ceiling "
+        "| operations per batch |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     base = statistics.median(rates[labels[0]])
     for label in labels:
         rs = rates[label]
@@ -257,7 +266,8 @@ def report(args, labels, rates, flops, words):
         ceiling = flops[labels[0]] / flops[label]
         print(
             f"| {label} | {statistics.median(rs):.0f} | {min(rs):.0f} | {max(rs):.0f} "
-            f"| {flops[label] / 1e9:.1f} | {ratio:.3f} | {ceiling:.3f} |"
+            f"| {flops[label] / 1e9:.1f} | {ratio:.3f} | {ceiling:.3f} "
+            f"| {operations[label]:.0f} |"
         )
     for label in labels[1:]:
         local = statistics.median(rates[label])
@@ -272,6 +282,11 @@ def report(args, labels, rates, flops, words):
         print(
             f"FLOP ratio {labels[0]} / {label} (the ceiling when matrix products bound the "
             f"speed): {ceiling:.3f}; measured / ceiling: {local / base / ceiling:.3f}"
+        )
+        # Where the host bounds the step (a GPU with small batches), the operations do.
+        print(
+            f"operations per batch (forward + backward, views aside): {operations[label]:.0f} "
+            f"vs {operations[labels[0]]:.0f}, {operations[label] / operations[labels[0]]:.2f}x"
         )
 
 

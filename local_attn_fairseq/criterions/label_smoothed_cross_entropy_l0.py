@@ -21,7 +21,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.logging import metrics
 
-from ..locality.head_gates import DEFAULT_L0_PENALTY_SCALE, L0_PENALTY_SCALES
+from ..locality.head_gates import DEFAULT_L0_PENALTY_SCALE, L0_PENALTY_SCALES, open_head_counts
 
 ATTENTION_TYPE_LOG_NAMES = {
     "encoder_self": "open_enc",
@@ -81,8 +81,8 @@ class LabelSmoothedCrossEntropyL0Criterion(LabelSmoothedCrossEntropyCriterion):
         logging_output["loss"] = loss.data
         logging_output["l0_penalty"] = penalty.data
         logging_output["nbatches"] = 1
-        for attn_type, layers in model.open_heads().items():
-            logging_output[ATTENTION_TYPE_LOG_NAMES[attn_type]] = sum(layers.values())
+        for attn_type, count in open_head_counts(model).items():
+            logging_output[ATTENTION_TYPE_LOG_NAMES[attn_type]] = count
         return loss, sample_size, logging_output
 
     @classmethod

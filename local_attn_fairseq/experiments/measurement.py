@@ -1,4 +1,5 @@
-"""Time and peak memory of one call, forward only or forward + backward, on CPU or GPU.
+"""Time, peak memory and operation counts of one call, forward only or forward + backward, on
+CPU or GPU.
 
 Shared by the benchmarks: every one measures the implementations it compares the same way.
 """
@@ -6,6 +7,7 @@ Shared by the benchmarks: every one measures the implementations it compares the
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def synchronize(device):
@@ -60,3 +62,21 @@ def peak_bytes(fn, inputs, backward):
         live += change
         peak = max(peak, live)
     return peak
+
+
+class OperationCounter(TorchDispatchMode):
+    """Counts the aten operations that run under it, views left out.
+
+    On a GPU each of them is at least one kernel launch prepared by the host, so where a step is
+    bound by the host (small batches, short sentences) their number, not the arithmetic, sets
+    its time; the count is the same on the CPU, where it can be measured without a GPU.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

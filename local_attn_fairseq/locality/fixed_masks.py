@@ -90,12 +90,9 @@ def offset_mask(
     query_pos = torch.arange(src_len - tgt_len, src_len, device=device)
     key_pos = torch.arange(src_len, device=device)
     offsets = key_pos[None, :] - query_pos[:, None]  # (tgt, src): j - i
-    masks = []
-    for b in bounds:
-        allowed = torch.ones_like(offsets, dtype=torch.bool)
-        if b.lo is not None:
-            allowed &= offsets >= b.lo
-        if b.hi is not None:
-            allowed &= offsets <= b.hi
-        masks.append(allowed)
-    return torch.stack(masks)
+    # All heads in one comparison (a few operations per layer, not a few per head: on a GPU
+    # each is a kernel launch). An open bound is one no offset can pass: |j - i| < src_len.
+    lo = [-src_len if b.lo is None else b.lo for b in bounds]
+    hi = [src_len if b.hi is None else b.hi for b in bounds]
+    lo, hi = (torch.tensor(x, device=device)[:, None, None] for x in (lo, hi))
+    return (offsets >= lo) & (offsets <= hi)

@@ -97,9 +97,16 @@ class HardConcreteGates(nn.Module):
         """L_C = sum_h (1 - P(g_h = 0)): the expected number of non-zero gates."""
         return (1 - self.prob_closed()).sum()
 
+    def open_threshold(self) -> float:
+        """The log_alpha above which P(g = 1) > P(g = 0): the two sigmoids' arguments are equal
+        at the mean of their shifts."""
+        closed_shift = self.temperature * math.log(-self.gamma / self.zeta)
+        open_shift = self.temperature * math.log((1 - self.gamma) / (self.zeta - 1))
+        return (closed_shift + open_shift) / 2
+
     def deterministic(self) -> Tensor:
         """Test-time gates: 1 where P(g = 1) > P(g = 0), else 0."""
-        return (self.prob_open() > self.prob_closed()).float()
+        return (self._precise_log_alpha() > self.open_threshold()).float()
 
     def sample(self) -> Tensor:
         log_alpha = self._precise_log_alpha()
@@ -135,6 +142,18 @@ def l0_penalty(model: nn.Module, scale: str = DEFAULT_L0_PENALTY_SCALE) -> Tenso
         )
     total = torch.stack(terms).sum()
     return total if scale == "sum" else total / len(terms)
+
+
+def open_head_counts(model: nn.Module) -> Dict[str, Tensor]:
+    """{attention type: heads whose test-time gate is open, over all its layers}, as tensors on
+    the gates' device: read every step for the training log, so nothing waits for the GPU."""
+    counts: Dict[str, list] = {}
+    with torch.no_grad():
+        for module in gated_attention_modules(model):
+            gates = module.head_gates
+            is_open = gates._precise_log_alpha() > gates.open_threshold()
+            counts.setdefault(module.attention_type, []).append(is_open.sum())
+    return {kind: torch.stack(per_layer).sum() for kind, per_layer in counts.items()}
 
 
 def open_heads(model: nn.Module) -> Dict[str, Dict[int, int]]:

@@ -77,3 +77,23 @@ def test_parse(name, bounds):
 def test_parse_rejects(name, message):
     with pytest.raises(ValueError, match=message):
         parse_mask(name)
+
+
+def test_all_heads_at_once_match_each_mask_entry_by_entry():
+    gen = torch.Generator().manual_seed(0)
+    choices = [None, -3, -1, 0, 2, 5]
+    for tgt_len, src_len in [(7, 7), (1, 9), (4, 11), (12, 12)]:
+        bounds = []
+        for _ in range(6):
+            lo, hi = (choices[int(i)] for i in torch.randint(len(choices), (2,), generator=gen))
+            if lo is not None and hi is not None and lo > hi:
+                lo, hi = hi, lo
+            bounds.append(MaskBounds(lo, hi))
+        masks = offset_mask(bounds, tgt_len, src_len)
+        assert masks.shape == (len(bounds), tgt_len, src_len) and masks.dtype == torch.bool
+        for h, b in enumerate(bounds):
+            for t in range(tgt_len):
+                for j in range(src_len):
+                    offset = j - (src_len - tgt_len + t)
+                    allowed = (b.lo is None or offset >= b.lo) and (b.hi is None or offset <= b.hi)
+                    assert bool(masks[h, t, j]) == allowed, (b, t, j)

@@ -117,3 +117,15 @@ def test_glorot_initialised_gates_start_closed_about_30_percent_of_the_time():
 def test_unknown_initialisation_is_rejected():
     with pytest.raises(ValueError, match="unknown head gate initialisation 'xavier'"):
         HardConcreteGates(2, init="xavier")
+
+
+@pytest.mark.parametrize("stretch", [(-0.1, 1.1), (-0.2, 1.05)])
+def test_open_threshold_is_where_the_open_probability_overtakes_the_closed_one(stretch):
+    gates = HardConcreteGates(2000, temperature=0.33, stretch=stretch)
+    with torch.no_grad():
+        gates.log_alpha.uniform_(-6, 6)
+        gates.log_alpha[0] = gates.open_threshold()
+    assert gates.prob_open()[0].item() == pytest.approx(gates.prob_closed()[0].item())
+    away = (gates.log_alpha - gates.open_threshold()).abs() > 1e-5
+    by_probabilities = (gates.prob_open() > gates.prob_closed()).float()
+    assert torch.equal(gates.deterministic()[away], by_probabilities[away])

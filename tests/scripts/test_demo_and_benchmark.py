@@ -119,6 +119,9 @@ def test_benchmark_prints_the_ratio(tmp_path):
     # tied Wq/Wk are projected once for all the heads that share them: fewer matrix products
     ceiling = re.search(r"FLOP ratio .*: ([\d.]+); measured / ceiling", out.stdout)
     assert ceiling and float(ceiling.group(1)) > 1.05, out.stdout[-2000:]
+    # Pande's masks for all heads of a layer in one comparison: few operations beyond the baseline
+    operations = re.search(r"operations per batch .*: (\d+) vs (\d+), ([\d.]+)x", out.stdout)
+    assert operations and 1.0 <= float(operations.group(3)) < 1.15, out.stdout[-2000:]
 
 
 @pytest.mark.parametrize("option", ["--fp16", "--bf16"])
