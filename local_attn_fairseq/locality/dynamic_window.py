@@ -223,10 +223,9 @@ class DynamicWindow(nn.Module):
         # row of a left-padded target keeps NaN on its future keys), and wherever such a mask is
         # added rather than filled in, the softmax backward carries the NaN to W_L / W_R of the
         # whole batch. Such rows get finite logits and zero pointers instead; they are found on
-        # the small visibility mask, not on the logits.
+        # the small visibility mask, not on the logits. Always filled, never tested first: a test
+        # would make the host wait for the GPU at every call.
         no_key = ~visible.any(dim=-1, keepdim=True)
-        if not no_key.any():
-            return torch.softmax(logits, dim=-1)
         return torch.softmax(logits.masked_fill(no_key, 0.0), dim=-1).masked_fill(no_key, 0.0)
 
     def pointers(
