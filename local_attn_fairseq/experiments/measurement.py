@@ -8,6 +8,7 @@ import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def synchronize(device):
@@ -77,6 +78,11 @@ class OperationCounter(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
+        result = func(*args, **(kwargs or {}))
+        # dtype arithmetic (promote_types) reaches the dispatcher too but touches no tensor
+        touches_tensors = any(
+            isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs, result))
+        )
+        if touches_tensors and not func.is_view:
             self.count += 1
-        return func(*args, **(kwargs or {}))
+        return result

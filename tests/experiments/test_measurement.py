@@ -19,3 +19,6 @@ def test_operation_counter_counts_what_runs_and_leaves_views_out():
     with OperationCounter() as with_backward:
         y.backward()
     assert with_backward.count > 0 and x.grad.shape == x.shape
+    with OperationCounter() as dtypes_only:
+        torch.promote_types(torch.float16, torch.float32)
+    assert dtypes_only.count == 0
