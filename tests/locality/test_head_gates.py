@@ -2,8 +2,9 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
-from local_attn_fairseq.locality.head_gates import HardConcreteGates
+from local_attn_fairseq.locality.head_gates import HardConcreteGates, open_head_counts, open_heads
 
 
 @pytest.mark.parametrize("temperature", [2 / 3, 0.33])
@@ -129,3 +130,22 @@ def test_open_threshold_is_where_the_open_probability_overtakes_the_closed_one(s
     away = (gates.log_alpha - gates.open_threshold()).abs() > 1e-5
     by_probabilities = (gates.prob_open() > gates.prob_closed()).float()
     assert torch.equal(gates.deterministic()[away], by_probabilities[away])
+
+
+def test_open_head_counts_are_tensors_that_agree_with_open_heads():
+    class Gated(nn.Module):
+        def __init__(self, attention_type, layer_index, log_alpha):
+            super().__init__()
+            self.attention_type, self.layer_index = attention_type, layer_index
+            self.head_gates = HardConcreteGates(len(log_alpha))
+            with torch.no_grad():
+                self.head_gates.log_alpha.copy_(torch.tensor(log_alpha))
+
+    model = nn.ModuleList(
+        [Gated("encoder_self", 0, [1.0, -1.0, 2.0]), Gated("encoder_self", 1, [-3.0, 0.5, -0.5]),
+         Gated("decoder_cross", 0, [-1.0, -2.0, -0.1])]
+    )  # fmt: skip
+    counts = open_head_counts(model)
+    assert all(isinstance(c, torch.Tensor) and not c.requires_grad for c in counts.values())
+    assert {kind: int(c) for kind, c in counts.items()} == {"encoder_self": 3, "decoder_cross": 0}
+    assert open_heads(model) == {"encoder_self": {0: 2, 1: 1}, "decoder_cross": {0: 0}}
