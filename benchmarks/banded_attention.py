@@ -53,7 +53,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from local_attn_fairseq.experiments.measurement import one_call, peak_bytes, timed  # noqa: E402
 from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
-from local_attn_fairseq.ops import banded_attention, extension_info  # noqa: E402
+from local_attn_fairseq.ops import (  # noqa: E402
+    banded_attention,
+    extension_info,
+    tensor_core_gap,
+)
 
 IMPL_ENV = "LOCAL_ATTN_BANDED_IMPL"
 MiB = 2**20
@@ -101,15 +105,13 @@ def flex_runner(length, half, device):
     return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask)), None
 
 
-def tensor_core_gap(dtype, dim, impl):
+def tensor_core_row_gap(args):
     """Why the tensor-core row of a GPU run has no figure (None when it has one)."""
-    if impl == "tensor-core":
+    if args.impl == "tensor-core":
         return "the banded row"
     if not extension_info().get("tensor_core"):
         return "not built"
-    if dtype not in (torch.float16, torch.bfloat16) or dim not in (32, 64, 128):
-        return "float16/bfloat16, D 32/64/128 only"
-    return None
+    return tensor_core_gap(args.device, args.dtype, args.dim)
 
 
 def make_runners(length, width, args, backward):
@@ -128,7 +130,7 @@ def make_runners(length, width, args, backward):
     }
     notes = {}
     if device.type == "cuda":  # no row on the CPU, where the kernel cannot run
-        gap = tensor_core_gap(args.dtype, args.dim, impl)
+        gap = tensor_core_row_gap(args)
         if gap is None:
             runners["tensor-core"] = (on_route("tensor-core", half), 0)
         else:

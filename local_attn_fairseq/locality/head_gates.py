@@ -104,9 +104,13 @@ class HardConcreteGates(nn.Module):
         open_shift = self.temperature * math.log((1 - self.gamma) / (self.zeta - 1))
         return (closed_shift + open_shift) / 2
 
+    def is_open(self) -> Tensor:
+        """Bool per head: P(g = 1) > P(g = 0), the test-time gate is 1."""
+        return self._precise_log_alpha() > self.open_threshold()
+
     def deterministic(self) -> Tensor:
         """Test-time gates: 1 where P(g = 1) > P(g = 0), else 0."""
-        return (self._precise_log_alpha() > self.open_threshold()).float()
+        return self.is_open().float()
 
     def sample(self) -> Tensor:
         log_alpha = self._precise_log_alpha()
@@ -150,9 +154,7 @@ def open_head_counts(model: nn.Module) -> Dict[str, Tensor]:
     counts: Dict[str, list] = {}
     with torch.no_grad():
         for module in gated_attention_modules(model):
-            gates = module.head_gates
-            is_open = gates._precise_log_alpha() > gates.open_threshold()
-            counts.setdefault(module.attention_type, []).append(is_open.sum())
+            counts.setdefault(module.attention_type, []).append(module.head_gates.is_open().sum())
     return {kind: torch.stack(per_layer).sum() for kind, per_layer in counts.items()}
 
 

@@ -11,6 +11,7 @@ from .banded_attention import (
     choose_route,
     draw_dropout_keep,
     extension_info,
+    tensor_core_gap,
     use_extension,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "choose_route",
     "draw_dropout_keep",
     "extension_info",
+    "tensor_core_gap",
     "use_extension",
 ]

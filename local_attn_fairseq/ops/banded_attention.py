@@ -181,7 +181,7 @@ def _required_extension(device: torch.device, head_dim: int) -> str:
     return "extension"
 
 
-def _tensor_core_gap(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+def tensor_core_gap(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
     """Why the tensor-core kernel cannot take these inputs, or None when it can."""
     if device.type != "cuda":
         return f"it runs on CUDA devices only, not {device.type}"
@@ -201,7 +201,7 @@ def _route_available(route, device, dtype, head_dim) -> bool:
     if module is None:
         return False
     if route == "tensor-core":
-        return _built_with_tensor_core(module) and _tensor_core_gap(device, dtype, head_dim) is None
+        return _built_with_tensor_core(module) and tensor_core_gap(device, dtype, head_dim) is None
     return _extension_has_device(module, device, head_dim)
 
 
@@ -263,7 +263,7 @@ def choose_route(
                 f"{IMPL_ENV}=tensor-core but the tensor-core kernel is not available ({reason}); "
                 f"it is built with the CUDA kernels where nvcc is found: {BUILD_HINT}"
             )
-        gap = _tensor_core_gap(device, dtype, head_dim)
+        gap = tensor_core_gap(device, dtype, head_dim)
         if gap is None:
             return "tensor-core"
         _warn_once(

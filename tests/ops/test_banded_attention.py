@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from local_attn_fairseq.ops import banded_attention, draw_dropout_keep, extension_info
 
 from .dense_reference import dense_allowed, dense_attention, dense_to_band
+from .test_banded_tensor_core import needs_tensor_core
 
 banded_module = importlib.import_module("local_attn_fairseq.ops.banded_attention")
 
@@ -615,16 +616,6 @@ def test_cuda_head_dim_above_the_kernel_limit_falls_back():
     with implementation("auto"), pytest.warns(RuntimeWarning, match="head dim 300"):
         assert banded_module.choose_route(q.device, q.dtype, 300) == "torch"
         assert_matches_dense(q, k, v, 2, 3)
-
-
-needs_tensor_core = pytest.mark.skipif(
-    not (
-        EXTENSION.get("tensor_core")
-        and torch.cuda.is_available()
-        and torch.cuda.get_device_capability() >= (8, 0)
-    ),
-    reason="needs the extension's tensor-core kernels and an sm_80+ CUDA device",
-)
 
 
 @needs_tensor_core
