@@ -39,7 +39,11 @@ def banded_attention_extension():
         from torch.utils import cpp_extension
     except ImportError:  # read without torch (an sdist, say): the op falls back to PyTorch
         return [], {}
-    sources = ["csrc/banded_attention.cpp", "csrc/banded_attention_cpu.cpp"]
+    sources = [
+        "csrc/banded_attention.cpp",
+        "csrc/banded_attention_autograd.cpp",
+        "csrc/banded_attention_cpu.cpp",
+    ]
     headers = ["csrc/banded_attention.h", "csrc/banded_cpu_kernels.h"]
     # -fopenmp: at::parallel_for is header-only and runs serially without it; the AVX2 copy of
     # the CPU kernels is chosen at run time, so no -march flag is needed.

@@ -1,6 +1,6 @@
 // The banded attention operators, declared once for every backend, and their CPU
 // implementations. The module is imported from Python as local_attn_fairseq._banded_C only to
-// run these registrations (its fake kernels and autograd live in
+// run these registrations (autograd: banded_attention_autograd.cpp; fake kernels:
 // local_attn_fairseq/ops/banded_attention.py).
 #include <Python.h>
 
@@ -145,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_backward_cpu(
 }  // namespace
 
 TORCH_LIBRARY(local_attn, m) {
-  // Fake (meta) kernels and autograd are registered from Python, in this module:
+  // Fake (meta) kernels are registered from Python, in this module:
   m.set_python_module("local_attn_fairseq.ops.banded_attention");
   m.def(
       "banded_forward(Tensor q, Tensor k, Tensor v, int[] left, int[] right, "

@@ -16,6 +16,7 @@ The extension is imported lazily on first use; importing the plugin never requir
 """
 
 import importlib
+import math
 import operator
 import os
 import warnings
@@ -281,7 +282,8 @@ def use_extension(device: torch.device, head_dim: int = 0) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fake kernels and autograd of the compiled operators (registered when the extension loads).
+# Fake kernels of the compiled operators (registered when the extension loads). Their autograd
+# is C++ (csrc/banded_attention_autograd.cpp), registered for the Autograd key with the kernels.
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -297,31 +299,6 @@ def _fake_backward(grad_out, q, k, v, out, lse, left, right, *masks_and_floats):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, left, right, key_padding_mask, dropout_keep, scale, dropout_p = inputs
-    out, lse = output
-    # Only q, k, v, out and the O(T) log-sum-exp (plus the masks given): the band is recomputed.
-    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, dropout_keep)
-    ctx.band = (list(left), list(right), scale, dropout_p)
-
-
-def _autograd_backward(backward_op: str):
-    """The autograd backward of a forward operator, calling its twin `backward_op`."""
-
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, key_padding_mask, dropout_keep = ctx.saved_tensors
-        left, right, scale, dropout_p = ctx.band
-        if grad_out is None:  # only the (non-differentiable) lse was used
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv = getattr(torch.ops.local_attn, backward_op)(
-            grad_out, q, k, v, out, lse, left, right, key_padding_mask, dropout_keep, scale,
-            dropout_p,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None
-
-    return backward
-
-
 # (forward, backward) operator pairs with the schema of local_attn::banded_forward/backward.
 OPERATOR_PAIRS = (
     ("banded_forward", "banded_backward"),
@@ -331,17 +308,14 @@ _REGISTERED: set = set()
 
 
 def register_operator_pair(forward: str, backward: str) -> bool:
-    """Fake kernels (for torch.compile / opcheck) and autograd of one operator pair; False when
-    the loaded library does not define it (an extension built before the pair existed)."""
+    """Fake kernels (for torch.compile / opcheck) of one operator pair; False when the loaded
+    library does not define it (an extension built before the pair existed)."""
     if forward in _REGISTERED:
         return True
     if not (_op_defined(forward) and _op_defined(backward)):
         return False
     torch.library.register_fake(f"local_attn::{forward}", _fake_forward)
     torch.library.register_fake(f"local_attn::{backward}", _fake_backward)
-    torch.library.register_autograd(
-        f"local_attn::{forward}", _autograd_backward(backward), setup_context=_setup_context
-    )
     _REGISTERED.add(forward)
     return True
 
@@ -439,7 +413,11 @@ def _window_list(window: Window, heads: int, name: str) -> List[int]:
         if window.ndim > 1:
             raise ValueError(f"banded_attention: {name} must be an int or a 1-D (heads,) tensor")
         window = window.tolist()
-    if isinstance(window, SequenceABC) and not isinstance(window, str):
+    if type(window) is int:
+        values = [window] * heads
+    elif type(window) in (list, tuple) and all(type(w) is int for w in window):
+        values = list(window)  # the common case (plain ints), checked without a call per head
+    elif isinstance(window, SequenceABC) and not isinstance(window, str):
         values = [_window_value(w, name) for w in window]
     else:
         values = [_window_value(window, name)] * heads
@@ -509,7 +487,9 @@ def nonfinite_value_reach(
     +-inf: a sum over the allowed keys would be non-finite there. Counted with prefix sums
     along T, so no (T, w) tensor is formed.
     """
-    if bool(torch.isfinite(v.sum(dtype=banded_reference.compute_dtype(v.dtype)))):
+    # One reduction and one scalar read: on the CPU torch.isfinite is several operations, and
+    # on a GPU either form waits for the device once.
+    if math.isfinite(v.sum(dtype=banded_reference.compute_dtype(v.dtype)).item()):
         return None
     batch, heads, length, dim = v.shape
     bad = ~torch.isfinite(v)

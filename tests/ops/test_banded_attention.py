@@ -450,6 +450,16 @@ def _forward_samples():
 
 
 @needs_extension
+def test_autograd_of_the_operators_is_registered_in_cpp():
+    """A differentiable call is one dispatcher hop into C++: the Autograd key's kernel is the
+    extension's own, not a Python function wrapped around the operator."""
+    for name in ("banded_forward", "banded_forward_tensor_core"):
+        table = torch._C._dispatch_dump(f"local_attn::{name}")
+        autograd = [line for line in table.splitlines() if line.startswith("Autograd")]
+        assert len(autograd) == 1 and "banded_attention_autograd.cpp" in autograd[0], table
+
+
+@needs_extension
 def test_opcheck_forward():
     for args in _forward_samples():
         torch.library.opcheck(torch.ops.local_attn.banded_forward.default, args)
