@@ -20,6 +20,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 namespace local_attn {
 namespace {
@@ -307,6 +311,28 @@ struct Launch {
   cudaStream_t stream;
 };
 
+// Enough for every distinct set of per-head windows of a model, on every device it uses.
+constexpr size_t kMaxCachedWindows = 256;
+
+// The per-head windows on the device, copied once per (device, windows): a copy from pageable
+// host memory on every launch would make the host wait for the GPU three times a call.
+at::Tensor device_windows(const std::vector<int64_t>& windows, const at::Device& device) {
+  using Key = std::pair<c10::DeviceIndex, std::vector<int64_t>>;
+  static std::mutex mutex;
+  // Never destroyed: freeing device memory while the process exits can fail after CUDA's own
+  // teardown.
+  static auto* cache = new std::map<Key, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  Key key{device.index(), windows};
+  const auto found = cache->find(key);
+  if (found != cache->end()) return found->second;
+  // Clearing is safe with launches still queued: freed device memory is reused in stream order.
+  if (cache->size() >= kMaxCachedWindows) cache->clear();
+  at::Tensor copy = at::tensor(windows, at::kLong).to(device);
+  cache->emplace(std::move(key), copy);
+  return copy;
+}
+
 template <typename acc_t>
 Launch make_launch(const at::Tensor& q, const BandProblem& pb, const at::Tensor& padding,
                    const at::Tensor& keep, int64_t extra_per_row) {
@@ -315,7 +341,7 @@ Launch make_launch(const at::Tensor& q, const BandProblem& pb, const at::Tensor&
   Launch l;
   std::vector<int64_t> windows(pb.left);
   windows.insert(windows.end(), pb.right.begin(), pb.right.end());
-  l.windows = at::tensor(windows, at::kLong).to(q.device());
+  l.windows = device_windows(windows, q.device());
   const int64_t* w = l.windows.data_ptr<int64_t>();
   l.args = BandArgs{pb.heads,  pb.length,
                     pb.dim,    pb.width(),
