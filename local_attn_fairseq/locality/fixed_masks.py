@@ -27,9 +27,11 @@ motivates prev masks with a period attending to the tokens before it; we follow 
 """
 
 import re
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
+
+from .constant_cache import cached_constants
 
 UNBOUNDED = None
 _MASK_NAME = re.compile(r"^(band|prev|next)-(-?\d+)$")
@@ -86,12 +88,24 @@ def offset_mask(
     sequence that is ``t`` itself; in incremental decoding (one query, all keys so far) it is the
     newest position. Self-attention shares one padding offset between queries and keys, so
     relative offsets are the same with fairseq's left-padded sources.
+
+    The masks depend only on the bounds and the lengths, so each is built once and shared:
+    callers must not modify the result in place.
     """
+    device = torch.device("cpu" if device is None else device)
+    return _offset_mask(tuple(bounds), tgt_len, src_len, device)
+
+
+# Enough for every layer kind of a model times the batch lengths seen in a while; an entry of
+# 8 heads x 128 x 128 keys is 128 KiB.
+@cached_constants(maxsize=256)
+def _offset_mask(
+    bounds: Tuple[MaskBounds, ...], tgt_len: int, src_len: int, device: torch.device
+) -> torch.Tensor:
     query_pos = torch.arange(src_len - tgt_len, src_len, device=device)
     key_pos = torch.arange(src_len, device=device)
     offsets = key_pos[None, :] - query_pos[:, None]  # (tgt, src): j - i
-    # All heads in one comparison (a few operations per layer, not a few per head: on a GPU
-    # each is a kernel launch). An open bound is one no offset can pass: |j - i| < src_len.
+    # All heads in one comparison. An open bound is one no offset can pass: |j - i| < src_len.
     lo = [-src_len if b.lo is None else b.lo for b in bounds]
     hi = [src_len if b.hi is None else b.hi for b in bounds]
     lo, hi = (torch.tensor(x, device=device)[:, None, None] for x in (lo, hi))

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .constant_cache import cached_constants
+
 WINDOW_STRATEGIES = ("fixed", "layer", "query", "head")
 CENTRE_CONVENTIONS = ("paper", "code")
 DEFAULT_CENTRE_CONVENTION = "paper"
@@ -42,10 +44,15 @@ CODE_WINDOW_OFFSET = 0.1  # the released code's D = I sigmoid(z) + 0.1
 def real_key_positions(key_padding_mask: Optional[Tensor], bsz: int, src_len: int, device):
     """(bsz, src_len) position of each key among the real keys, and (bsz, src_len) realness."""
     if key_padding_mask is None:
-        real = torch.ones(bsz, src_len, device=device)
-    else:
-        real = (~key_padding_mask.to(torch.bool)).float()
+        return _unpadded_positions(bsz, src_len, torch.device(device))
+    real = (~key_padding_mask.to(torch.bool)).float()
     return real.cumsum(-1) - 1, real
+
+
+@cached_constants(maxsize=64)
+def _unpadded_positions(bsz: int, src_len: int, device: torch.device) -> Tuple[Tensor, Tensor]:
+    positions = torch.arange(src_len, device=device, dtype=torch.float32).expand(bsz, -1)
+    return positions, torch.ones(bsz, src_len, device=device)
 
 
 class GaussianLocalness(nn.Module):

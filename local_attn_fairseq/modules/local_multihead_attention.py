@@ -202,6 +202,9 @@ class LocalMultiheadAttention(nn.Module):
         # Modules holding the Wq/Wk of other layers; kept out of _modules so that a tied
         # parameter is registered (and saved, counted, averaged) exactly once.
         self._qk_owner_modules: Dict[int, "LocalMultiheadAttention"] = {}
+        # What depends only on the layer's heads, worked out on first use instead of per call.
+        self._band_windows_by_heads: Dict[Tuple[int, ...], Tuple[List[int], List[int]]] = {}
+        self._head_index_cache: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
         self.reset_parameters()
 
     def _build_dynamic_windows(self, bias: bool):
@@ -512,11 +515,20 @@ class LocalMultiheadAttention(nn.Module):
         module = self.dropout_module
         return module.p if self.training or module.apply_during_inference else 0.0
 
+    def _band_windows(self, heads: Sequence[int]) -> Tuple[List[int], List[int]]:
+        """(left, right) windows of the local heads in ``heads``, for the banded operator."""
+        left = [-self.window_bounds[h].lo for h in heads]
+        right = [0 if self.causal else self.window_bounds[h].hi for h in heads]
+        return left, right
+
     def _banded_attention(self, q, k, v, key_padding_mask, heads=None):
         """Local heads (all, or those in ``heads``) through the banded operator."""
         heads = list(range(self.num_heads)) if heads is None else heads
-        left = [-self.window_bounds[h].lo for h in heads]
-        right = [0 if self.causal else self.window_bounds[h].hi for h in heads]
+        key = tuple(heads)
+        windows = self._band_windows_by_heads.get(key)
+        if windows is None:  # the same heads on every call: worked out once
+            windows = self._band_windows_by_heads[key] = self._band_windows(heads)
+        left, right = windows
         q, k = self._expand_groups(q), self._expand_groups(k)
         q, k, v = (self._select_heads(t, heads).contiguous() for t in (q, k, v))
         return banded_attention(
@@ -559,11 +571,16 @@ class LocalMultiheadAttention(nn.Module):
         back = torch.tensor([position[h] for h in range(self.num_heads)], device=out.device)
         return out.index_select(1, back)
 
-    @staticmethod
-    def _select_heads(x: Tensor, heads: Sequence[int]) -> Tensor:
-        if list(heads) == list(range(x.size(1))):
+    def _select_heads(self, x: Tensor, heads: Sequence[int]) -> Tensor:
+        if len(heads) == x.size(1) and list(heads) == list(range(x.size(1))):
             return x
-        return x.index_select(1, torch.tensor(heads, device=x.device))
+        key = (tuple(heads), x.device)
+        index = self._head_index_cache.get(key)
+        if index is None:  # the same few head lists on every call: one index tensor each
+            index = torch.tensor(heads, device=x.device)
+            if not torch.compiler.is_compiling():
+                self._head_index_cache[key] = index
+        return x.index_select(1, index)
 
     def _can_use_fused(self, need_weights, before_softmax):
         plain_heads = not (
@@ -605,7 +622,7 @@ class LocalMultiheadAttention(nn.Module):
         if self.head_gates is not None:
             # in float32 (at least): a gate's gradient sums over every token, beyond float16
             precise = torch.promote_types(out.dtype, torch.float32)
-            out = (out.to(precise) * self.head_gates()[None, :, None, None]).to(out.dtype)
+            out = (out.to(precise) * self.head_gates().view(1, -1, 1, 1)).to(out.dtype)
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads * self.head_dim)
         return self.out_proj(out)
 

@@ -97,3 +97,15 @@ def test_all_heads_at_once_match_each_mask_entry_by_entry():
                     offset = j - (src_len - tgt_len + t)
                     allowed = (b.lo is None or offset >= b.lo) and (b.hi is None or offset <= b.hi)
                     assert bool(masks[h, t, j]) == allowed, (b, t, j)
+
+
+def test_masks_are_built_once_and_usable_in_training_after_inference():
+    bounds = [MaskBounds(-1, 1), MaskBounds(None, None), MaskBounds(-2, -2)]
+    with torch.inference_mode():  # as fairseq-generate may run a model before it trains
+        first = offset_mask(bounds, 7, 9)
+    assert not first.is_inference()
+    assert offset_mask(tuple(bounds), 7, 9, "cpu") is first  # one tensor per bounds and lengths
+    assert offset_mask(bounds, 7, 10) is not first
+    x = torch.randn(3, 7, 9, requires_grad=True)
+    (x * first).sum().backward()  # a normal tensor: saved for backward without complaint
+    assert torch.equal(x.grad, first.float())
