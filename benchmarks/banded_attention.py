@@ -3,6 +3,7 @@
 
     python benchmarks/banded_attention.py [--quick] [--lengths 256 1024] [--widths 5 65]
     python benchmarks/banded_attention.py --device cuda --dtype bfloat16 --batch 8 --heads 8
+    python benchmarks/banded_attention.py --quick --json results.json   # the table and its records
 
 Compared, for each sequence length T and band width w = left + right + 1 (left = right):
   banded  ``local_attn_fairseq.ops.banded_attention`` on the route of ``--impl`` (the compiled
@@ -28,14 +29,27 @@ the caching allocator's peak statistic on the GPU, plus, for the dense implement
 (T, T) mask they need resident. Masks are built outside the timed region (a model would build
 them once). "beyond outputs" leaves out what every implementation allocates alike (the output,
 and for forward + backward the seed gradient and the three input gradients). Band TFLOP/s
-counts the useful band work of every route alike: 4 * B * H * T * w * D forward, and 3x that
-for forward + backward (backward = 2x forward; FlashAttention's papers count 2.5x, which would
-scale every fwd+bwd figure by 3.5 / 3), against the device's matmul peak, estimated by timing a
-large matmul of the same dtype in the same run. Dense implementations are skipped where their
-T x T tensors would exceed --dense-memory-gb.
+counts the useful band work of every route alike: 4 * B * H * T * w * D forward (w clipped to
+T), and 3x that for forward + backward (backward = 2x forward; FlashAttention's papers count
+2.5x, which would scale every fwd+bwd figure by 3.5 / 3), against the device's matmul peak,
+estimated by timing a large matmul of the same dtype in the same run. Dense implementations are
+skipped where their T x T tensors would exceed --dense-memory-gb.
+
+--json FILE writes the same measurements as data: a JSON list of one object per row of the
+table (each route of each (T, w, mode) cell, a route that could not run with its note), replaced
+atomically after every cell so that a run cut short keeps what it measured. Each record holds
+the machine ("gpu": the GPU's name, or the CPU and its threads), the torch version, the date
+(ISO, UTC), dtype, B, H, D, T, w, mode, route, the median ms, the band FLOPs and TFLOP/s above,
+the HBM bytes and GB/s, peak MiB, the speed-ups, and "note" (null for a measured route, the
+reason otherwise). HBM bytes are the fewest a call must move, whatever the route: forward reads
+q, k, v and writes out (4 * B * H * T * D elements) and the float32 row log-sum-exp
+(B * H * T * 4 bytes); forward + backward adds reading q, k, v, out, grad_out and the
+log-sum-exp and writing dq, dk, dv. GB/s is therefore a lower bound of what a route moved.
 """
 
 import argparse
+import datetime
+import json
 import logging
 import os
 import statistics
@@ -51,7 +65,13 @@ if "--spin" not in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from local_attn_fairseq.experiments.measurement import one_call, peak_bytes, timed  # noqa: E402
+from local_attn_fairseq.experiments.measurement import (  # noqa: E402
+    attention_traffic_bytes,
+    band_flops,
+    one_call,
+    peak_bytes,
+    timed,
+)
 from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
 from local_attn_fairseq.ops import (  # noqa: E402
     banded_attention,
@@ -200,26 +220,65 @@ def measure(args, length, width, backward):
     return result
 
 
-def format_rows(length, width, mode, result, flops, peak_tflops):
-    """One table row per route: time, speed-ups, memory, band TFLOP/s (or why it is missing)."""
-    rows = []
-    banded, glob = result.get("banded"), result.get("global")
-    for name in filter(result.__contains__, IMPLEMENTATIONS):
-        cells = [str(length), str(width), mode, name]
+def cell_records(run, length, width, mode, result):
+    """One record per route of a (T, w, mode) cell, in table order: the fields of `run` (machine,
+    versions, shape, dtype), the cell, and the route's figures, or null figures and its note."""
+    backward = mode == "fwd+bwd"
+    batch, heads, dim = run["B"], run["H"], run["D"]
+    flops = band_flops(batch, heads, length, width, dim, backward)
+    element_size = getattr(torch, run["dtype"]).itemsize
+    traffic = attention_traffic_bytes(batch, heads, length, dim, element_size, backward)
+
+    def seconds_of(name):
         value = result.get(name)
-        if not isinstance(value, tuple):
-            cells += [value or "-"] + ["-"] * 6
-        else:
+        return value[0] if isinstance(value, tuple) else None
+
+    banded, glob = seconds_of("banded"), seconds_of("global")
+    records = []
+    for name in filter(result.__contains__, IMPLEMENTATIONS):
+        record = dict(run, T=length, w=width, mode=mode, route=name)
+        record.update(band_flops=flops, hbm_bytes=traffic)
+        value = result[name]
+        if isinstance(value, tuple):
             seconds, memory, returned = value
-            tflops = flops / seconds / 1e12
+            record.update(
+                ms=seconds * 1e3,
+                band_tflops=flops / seconds / 1e12,
+                hbm_gbps=traffic / seconds / 1e9,
+                peak_mib=memory / MiB,
+                mib_beyond_outputs=max(memory - returned, 0) / MiB,
+                speedup_vs_banded=None if banded is None else banded / seconds,
+                speedup_vs_global=None if glob is None else glob / seconds,
+                note=None,
+            )
+        else:
+            figures = ("ms", "band_tflops", "hbm_gbps", "peak_mib", "mib_beyond_outputs")
+            record.update(dict.fromkeys(figures + ("speedup_vs_banded", "speedup_vs_global")))
+            record["note"] = value
+        records.append(record)
+    return records
+
+
+def format_rows(records):
+    """One table row per record: time, speed-ups, memory, band TFLOP/s (or why it is missing)."""
+
+    def speedup(ratio):
+        return "-" if ratio is None else f"{ratio:.2f}x"
+
+    rows = []
+    for r in records:
+        cells = [str(r["T"]), str(r["w"]), r["mode"], r["route"]]
+        if r["ms"] is None:
+            cells += [r["note"] or "-"] + ["-"] * 6
+        else:
             cells += [
-                f"{seconds * 1e3:.2f}",
-                f"{banded[0] / seconds:.2f}x" if isinstance(banded, tuple) else "-",
-                f"{glob[0] / seconds:.2f}x" if isinstance(glob, tuple) else "-",
-                f"{memory / MiB:.1f}",
-                f"{max(memory - returned, 0) / MiB:.1f}",
-                f"{tflops:.3g}",
-                f"{100 * tflops / peak_tflops:.1f}%",
+                f"{r['ms']:.2f}",
+                speedup(r["speedup_vs_banded"]),
+                speedup(r["speedup_vs_global"]),
+                f"{r['peak_mib']:.1f}",
+                f"{r['mib_beyond_outputs']:.1f}",
+                f"{r['band_tflops']:.3g}",
+                f"{100 * r['band_tflops'] / r['matmul_peak_tflops']:.1f}%",
             ]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
@@ -260,6 +319,10 @@ def parse_args():
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--spin", action="store_true", help="keep OpenMP's spinning idle workers")
     parser.add_argument("--output", help="also write the table (markdown) to this file")
+    parser.add_argument(
+        "--json", metavar="FILE",
+        help="also write one record per route and cell to this file (a JSON list)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.widths, args.repeats = [256, 1024], [5, 65], 2
@@ -297,16 +360,30 @@ def main():
         "|" + "---|" * len(HEADER),
     ]
     print("\n".join(lines), flush=True)
+    run = {
+        "gpu": where,
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "dtype": dtype,
+        "banded_impl": args.impl,
+        "repeats": args.repeats,
+        "matmul_peak_tflops": peak,
+        "B": args.batch,
+        "H": args.heads,
+        "D": args.dim,
+    }
+    records = []
     for length in args.lengths:
         for width in args.widths:
             for mode in args.modes:
-                backward = mode == "fwd+bwd"
-                result = measure(args, length, width, backward)
-                band_flops = 4 * args.batch * args.heads * length * width * args.dim
-                flops = band_flops * (3 if backward else 1)
-                rows = format_rows(length, width, mode, result, flops, peak)
+                result = measure(args, length, width, mode == "fwd+bwd")
+                cell = cell_records(run, length, width, mode, result)
+                rows = format_rows(cell)
                 lines += rows
                 print("\n".join(rows), flush=True)
+                records += cell
+                if args.json:
+                    atomic_write_text(args.json, json.dumps(records, indent=1) + "\n")
     if args.output:
         atomic_write_text(args.output, "\n".join(lines) + "\n")
 

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "local_attn_fairseq")
@@ -21,6 +22,16 @@ def fairseq_cli(tool, *args, cwd=None, check=True, stdin=None):
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
     return proc
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models and shapes on a shared CPU: a second intra-op thread only waits, and more
+    threads than cores cost ten times the time. For a module: pytestmark = usefixtures(...)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # Small dims, but the 6 encoder layers and 8 heads the paper's presets are written for.

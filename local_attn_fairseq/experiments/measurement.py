@@ -1,10 +1,11 @@
 """Time, peak memory and operation counts of one call, forward only or forward + backward, on
-CPU or GPU.
+CPU or GPU, and the useful work and the least memory traffic of one banded attention call.
 
 Shared by the benchmarks: every one measures the implementations it compares the same way.
 """
 
 import time
+from typing import Callable, Dict, Iterable, List, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,6 +66,94 @@ def peak_bytes(fn, inputs, backward):
     return peak
 
 
+def band_flops(batch, heads, length, width, dim, backward):
+    """The useful FLOPs of banded attention, alike for every route: 4 * B * H * T * w * D forward
+    (q k^T and p v, 2 FLOPs per multiply-add) and 3x that with backward (backward = 2x forward).
+
+    w is clipped to T: a band wider than the sequence holds no more keys than it.
+    """
+    forward = 4 * batch * heads * length * min(width, length) * dim
+    return forward * (3 if backward else 1)
+
+
+def attention_traffic_bytes(batch, heads, length, dim, element_size, backward):
+    """The fewest bytes one attention call must move through device memory, whatever its route.
+
+    Forward: read q, k, v and write out (4 * B * H * T * D elements), write the float32 row
+    log-sum-exp (B * H * T * 4 bytes) that the backward pass needs. Backward adds: read q, k, v,
+    out, grad_out and the log-sum-exp, write dq, dk, dv (8 * B * H * T * D elements and the
+    log-sum-exp again). Over a call's time this is a lower bound of the bandwidth it used: a
+    route that also moves masks, logits or partial results moves more.
+    """
+    elements = batch * heads * length * dim
+    lse_bytes = batch * heads * length * 4
+    forward = 4 * elements * element_size + lse_bytes
+    if not backward:
+        return forward
+    return forward + 8 * elements * element_size + lse_bytes
+
+
+class ForwardBackward:
+    """One training call of ``forward()``, prepared once: forward, backward of a fixed output
+    gradient, then the gradients left on ``leaves`` dropped, as ``zero_grad(set_to_none=True)``
+    does between steps, so that every call's backward assigns gradients instead of adding to
+    those of the call before."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor], leaves: Iterable[torch.Tensor]):
+        self.forward = forward
+        self.leaves = tuple(leaves)
+        self.grad_output = torch.ones_like(forward())
+
+    def __call__(self) -> None:
+        self.forward().backward(self.grad_output)
+        for leaf in self.leaves:
+            leaf.grad = None
+
+
+def host_seconds_per_call(call: Callable[[], None], calls: int, device) -> float:
+    """Wall time of issuing ``calls`` calls, per call. The device is synchronised before the
+    loop and after the clock stops, never inside: on a GPU the kernels queue up while the host
+    goes on, so this is the host's cost of a call (as long as the device keeps up); on the CPU
+    it is the whole call."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - start
+    synchronize(device)
+    return elapsed / calls
+
+
+def device_seconds_per_call(call: Callable[[], None], calls: int) -> float:
+    """The GPU's busy time per call: the durations of the kernels, copies and fills that
+    torch.profiler saw on the device, summed (idle gaps between them, where the GPU waits for
+    the host, left out)."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    busy_ns = sum(
+        e.duration_ns()
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+    )
+    return busy_ns * 1e-9 / calls
+
+
+def alternating_rounds(
+    measures: Mapping[str, Callable[[], float]], rounds: int
+) -> Dict[str, List[float]]:
+    """Every measure once a round, in reversed order every other round, so that the drifts of a
+    shared, noisy machine fall on all of them alike; {name: one value per round}."""
+    names = list(measures)
+    values: Dict[str, List[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            values[name].append(measures[name]())
+    return values
+
+
 class OperationCounter(TorchDispatchMode):
     """Counts the aten operations that run under it, views left out.
 
@@ -86,3 +175,10 @@ class OperationCounter(TorchDispatchMode):
         if touches_tensors and not func.is_view:
             self.count += 1
         return result
+
+
+def operations_per_call(call: Callable[[], None]) -> int:
+    """The aten operations (views aside) that one ``call()`` runs."""
+    with OperationCounter() as counter:
+        call()
+    return counter.count

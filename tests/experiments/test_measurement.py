@@ -2,7 +2,11 @@
 
 import torch
 
-from local_attn_fairseq.experiments.measurement import OperationCounter
+from local_attn_fairseq.experiments.measurement import (
+    OperationCounter,
+    attention_traffic_bytes,
+    band_flops,
+)
 
 
 def test_operation_counter_counts_what_runs_and_leaves_views_out():
@@ -22,3 +26,19 @@ def test_operation_counter_counts_what_runs_and_leaves_views_out():
     with OperationCounter() as dtypes_only:
         torch.promote_types(torch.float16, torch.float32)
     assert dtypes_only.count == 0
+
+
+def test_attention_traffic_counts_inputs_outputs_and_the_log_sum_exp():
+    # B=2, H=3, T=5, D=7: 210 elements per tensor, 30 float32 log-sum-exp values (120 bytes)
+    fp16 = 2
+    # forward: q, k, v read, out written, lse written
+    assert attention_traffic_bytes(2, 3, 5, 7, fp16, backward=False) == 4 * 210 * 2 + 120
+    # backward adds q, k, v, out, grad_out and lse read, dq, dk, dv written
+    assert attention_traffic_bytes(2, 3, 5, 7, fp16, backward=True) == 12 * 210 * 2 + 2 * 120
+    assert attention_traffic_bytes(1, 1, 1024, 64, 4, backward=False) == 4 * 65536 * 4 + 4096
+
+
+def test_band_flops_count_the_band_clipped_to_the_sequence():
+    assert band_flops(2, 3, 100, 9, 16, backward=False) == 4 * 2 * 3 * 100 * 9 * 16
+    assert band_flops(2, 3, 100, 9, 16, backward=True) == 3 * 4 * 2 * 3 * 100 * 9 * 16
+    assert band_flops(1, 1, 8, 33, 4, backward=False) == 4 * 8 * 8 * 4  # w = 33 > T = 8

@@ -44,13 +44,7 @@ STAND_INS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: more threads than cores cost ten times the time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 ONE_THREAD_ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

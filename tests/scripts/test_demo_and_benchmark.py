@@ -5,9 +5,12 @@ import os
 import re
 import subprocess
 import sys
+from datetime import datetime, timedelta
 
 import pytest
 import torch
+
+from local_attn_fairseq.experiments.measurement import attention_traffic_bytes, band_flops
 
 from ..conftest import REPO
 
@@ -149,6 +152,60 @@ def test_kernel_benchmark_prints_every_route(tmp_path):
     for name in ("banded", "blocked", "sdpa", "naive", "global"):
         ms, tflops = rows[name].split(" | ")[4], rows[name].split(" | ")[9]
         assert float(ms) > 0 and float(tflops) > 0, rows[name]
+
+
+RECORD_FIGURES = (
+    "ms", "band_tflops", "hbm_gbps", "peak_mib", "mib_beyond_outputs",
+)  # fmt: skip
+RECORD_KEYS = {
+    "gpu", "torch", "date", "dtype", "banded_impl", "repeats", "matmul_peak_tflops",
+    "B", "H", "D", "T", "w", "mode", "route", "band_flops", "hbm_bytes",
+    "speedup_vs_banded", "speedup_vs_global", "note", *RECORD_FIGURES,
+}  # fmt: skip
+
+
+def test_kernel_benchmark_writes_one_record_per_table_row(tmp_path):
+    table, written = tmp_path / "table.md", tmp_path / "results" / "cpu.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "banded_attention.py")]
+    cmd += ["--lengths", "64", "--widths", "5", "--repeats", "1", "--modes", "fwd+bwd"]
+    cmd += ["--batch", "1", "--heads", "2", "--dim", "16"]
+    cmd += ["--output", str(table), "--json", str(written)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split(" | ") for line in table.read_text().splitlines()
+            if line.startswith("| 64 | 5 |")]  # fmt: skip
+    records = json.loads(written.read_text())
+    assert os.listdir(written.parent) == ["cpu.json"]  # the temporary name is gone
+    assert isinstance(records, list)
+    assert [(r["T"], r["w"], r["mode"], r["route"]) for r in records] == [
+        (64, 5, "fwd+bwd", row[3]) for row in rows
+    ]
+    flops = band_flops(1, 2, 64, 5, 16, backward=True)
+    traffic = attention_traffic_bytes(1, 2, 64, 16, 4, backward=True)
+    for record, row in zip(records, rows):
+        assert set(record) == RECORD_KEYS, record
+        assert record["gpu"].startswith("CPU, ") and " threads" in record["gpu"]
+        assert record["torch"] == torch.__version__
+        assert datetime.fromisoformat(record["date"]).utcoffset() == timedelta(0)
+        assert (record["dtype"], record["B"], record["H"], record["D"]) == ("float32", 1, 2, 16)
+        assert (record["banded_impl"], record["repeats"]) == ("extension", 1)
+        assert record["band_flops"] == flops and record["hbm_bytes"] == traffic
+        if record["note"] is None:
+            assert all(isinstance(record[k], float) for k in RECORD_FIGURES), record
+            assert min(record[k] for k in ("ms", "band_tflops", "hbm_gbps")) > 0, record
+            assert record["peak_mib"] >= record["mib_beyond_outputs"] >= 0, record
+            seconds = record["ms"] / 1e3
+            assert record["band_tflops"] == pytest.approx(flops / seconds / 1e12)
+            assert record["hbm_gbps"] == pytest.approx(traffic / seconds / 1e9)
+            assert row[4] == f"{record['ms']:.2f}" and row[7] == f"{record['peak_mib']:.1f}"
+        else:
+            assert isinstance(record["note"], str) and row[4] == record["note"]
+            assert all(record[k] is None for k in RECORD_FIGURES), record
+    by_route = {record["route"]: record for record in records}
+    assert by_route["flex"]["note"] == "no CPU backward"
+    banded, naive = by_route["banded"], by_route["naive"]
+    assert banded["speedup_vs_banded"] == 1.0 and by_route["global"]["speedup_vs_global"] == 1.0
+    assert naive["speedup_vs_banded"] == pytest.approx(banded["ms"] / naive["ms"])
 
 
 def test_gpu_checks_refuse_a_machine_without_a_gpu(tmp_path):
