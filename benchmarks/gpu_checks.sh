@@ -1,6 +1,7 @@
 #!/bin/bash
-# The GPU checks of the banded operator in one run: the CUDA tests, then the kernel, speech
-# encoder and training-throughput benchmarks, each log and table written under OUT_DIR.
+# The GPU checks of the banded operator in one run: the CUDA tests, then the per-call host cost,
+# the kernel (its records as JSON too), speech encoder (batch 8 and 32) and training-throughput
+# (8,192 and 32,768 tokens a batch) benchmarks, each log and table written under OUT_DIR.
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR [SECONDS]
 #
@@ -50,17 +51,24 @@ print("torch", torch.__version__, torch.cuda.get_device_name(), e())'
 } >>"$SUMMARY" 2>&1
 
 KERNEL=("$PYTHON" benchmarks/banded_attention.py --device cuda --repeats 10 --batch 8 --heads 8)
-step tests tests.log 150 "$PYTHON" -m pytest -q -n 8 -rfEs \
+step tests tests.log 100 "$PYTHON" -m pytest -q -n 16 -rfEs \
     tests/ops/test_banded_tensor_core.py tests/ops/test_banded_attention.py \
     tests/ops/test_blocked_sdpa.py tests/ops/test_dispatch.py \
     tests/modules/test_mixed_precision.py tests/locality/test_dynamic_window.py \
     -k "cuda or tensor_core or gpu" ${GPU_CHECKS_PYTEST_ARGS:-}
-step kernel_bf16 kernel.log 230 "${KERNEL[@]}" --dtype bfloat16 --dim 64 --backward \
-    --lengths 4096 16384 1024 --widths 33 129 257 --output "$OUT_DIR/kernel_bf16.md"
-step kernel_fp16 kernel.log 70 "${KERNEL[@]}" --dtype float16 --dim 64 --backward \
-    --lengths 4096 16384 --widths 5 33 257 --output "$OUT_DIR/kernel_fp16.md"
-step speech speech.log 60 "$PYTHON" benchmarks/speech_encoder.py --device cuda \
-    --dtype bfloat16 --batch 8 --seconds 10 30 60 --rounds 5
-step throughput throughput.log 120 "$PYTHON" benchmarks/training_throughput.py --device cuda \
-    --fp16 --base-sizes --max-tokens 8192 --mechanisms all --rounds 3 --batches 10
+step host_overhead host_overhead.log 40 "$PYTHON" benchmarks/host_overhead.py --device cuda \
+    --rounds 5 --calls 100 --output "$OUT_DIR/host_overhead_cuda.md"
+step kernel_bf16 kernel.log 70 "${KERNEL[@]}" --dtype bfloat16 --dim 64 --backward \
+    --lengths 4096 16384 1024 --widths 33 257 --output "$OUT_DIR/kernel_bf16.md" \
+    --json "$OUT_DIR/kernel_bf16.json"
+for batch in 8 32; do
+    step "speech_b$batch" speech.log 30 "$PYTHON" benchmarks/speech_encoder.py --device cuda \
+        --dtype bfloat16 --batch "$batch" --seconds 10 30 60 --rounds 3 \
+        --output "$OUT_DIR/speech_b$batch.md"
+done
+for tokens in 8192 32768; do
+    step "throughput_$tokens" throughput.log 80 "$PYTHON" benchmarks/training_throughput.py \
+        --device cuda --fp16 --base-sizes --max-tokens "$tokens" --mechanisms all --rounds 3 \
+        --batches 5
+done
 cat "$SUMMARY"

@@ -36,7 +36,10 @@ if "--spin" not in sys.argv:
 import torch  # noqa: E402
 from fairseq.data import Dictionary  # noqa: E402
 
-from local_attn_fairseq.experiments.measurement import peak_bytes  # noqa: E402
+from local_attn_fairseq.experiments.measurement import (  # noqa: E402
+    device_seconds_per_call,
+    peak_bytes,
+)
 from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
 from local_attn_fairseq.models.s2t_transformer_local import (  # noqa: E402
     PAPER_WINDOWS,
@@ -118,7 +121,12 @@ def measure(models, seconds, args):
         for name in names if r % 2 == 0 else names[::-1]:
             times[name].append(timed_step(models[name], features, lengths))
     memory = {name: peak_memory(models[name], features, lengths) for name in names}
-    return {name: (statistics.median(times[name]), memory[name]) for name in names}
+    busy = {name: None for name in names}
+    if features.is_cuda:  # the GPU's own share of a step (the rest is the host's)
+        for name in names:
+            model = models[name]
+            busy[name] = device_seconds_per_call(lambda: step(model, features, lengths), 1)
+    return {name: (statistics.median(times[name]), memory[name], busy[name]) for name in names}
 
 
 def parse_args():
@@ -170,8 +178,10 @@ def main():
         f"threads; local windows {args.windows}; times: median of {args.rounds} rounds",
         "",
         "| audio | fbank frames | encoder frames | global s | local s | speed-up | "
-        "FLOP ceiling | global peak MiB | local peak MiB | memory ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "FLOP ceiling | global peak MiB | local peak MiB | memory ratio"
+        + (" | global GPU busy s | local GPU busy s |" if args.device.type == "cuda" else " |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|---:|" if args.device.type == "cuda" else ""),
     ]
     print("\n".join(lines), flush=True)
     speedups = {}
@@ -179,13 +189,17 @@ def main():
         result = measure(models, seconds, args)
         frames = seconds * FRAMES_PER_SECOND
         encoder_frames = int(local.subsample.get_out_seq_lens_tensor(torch.tensor([frames])))
-        (t_global, m_global), (t_local, m_local) = result["global"], result["local"]
+        (t_global, m_global, b_global), (t_local, m_local, b_local) = (
+            result["global"],
+            result["local"],
+        )
         flops = {n: matmul_flops(model_args, frames, args.batch, windows[n]) for n in models}
         speedups[seconds] = t_global / t_local
         lines.append(
             f"| {seconds} s | {frames} | {encoder_frames} | {t_global:.3f} | {t_local:.3f} | "
             f"{t_global / t_local:.2f}x | {flops['global'] / flops['local']:.2f}x | "
             f"{m_global / MiB:.0f} | {m_local / MiB:.0f} | {m_global / max(m_local, 1):.2f}x |"
+            + (f" {b_global:.3f} | {b_local:.3f} |" if b_global is not None else "")
         )
         print(lines[-1], flush=True)
     longest = max(speedups)

@@ -46,7 +46,7 @@ from fairseq import options, tasks, utils
 from torch.utils.flop_counter import FlopCounterMode
 
 from local_attn_fairseq.experiments import demo  # the demo's data preparation and model sizes
-from local_attn_fairseq.experiments.measurement import OperationCounter
+from local_attn_fairseq.experiments.measurement import OperationCounter, device_seconds_per_call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -231,7 +231,11 @@ def main():
     for r in range(args.rounds):
         for label in labels if r % 2 == 0 else labels[::-1]:
             rates[label].append(words / train_steps(*models[label], batches))
-    report(args, labels, rates, costs, words)
+    busy = {}
+    if device.type == "cuda":  # what the GPU itself spends of a step, for one more pass each
+        for label in labels:
+            busy[label] = device_seconds_per_call(lambda: train_steps(*models[label], batches), 1)
+    report(args, labels, rates, costs, words, busy)
 
 
 def to_precision(sample, dtype):
@@ -241,7 +245,10 @@ def to_precision(sample, dtype):
     )
 
 
-def report(args, labels, rates, costs, words):
+def report(args, labels, rates, costs, words, busy):
+    """The table; on a GPU also each model's time per batch and the part of it the GPU was busy
+    (kernels, copies, fills), the rest being the host's: a step with a small busy share waits
+    on the host, not on the GPU."""
     flops = {label: cost[0] for label, cost in costs.items()}
     operations = {label: cost[1] / args.batches for label, cost in costs.items()}
     sizes = "Transformer base sizes" if args.base_sizes else "demo sizes"
@@ -254,20 +261,23 @@ def report(args, labels, rates, costs, words):
         f"x {args.rounds} rounds ({words} target words per pass), {where}, torch "
         f"{torch.__version__}\n"
     )
+    gpu = " | ms per batch | GPU busy ms per batch" if busy else ""
     print(
         "| model | median words/s | min | max | GFLOP per pass | ratio | FLOP ceiling "
-        "| operations per batch |"
+        f"| operations per batch{gpu} |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if busy else ""))
     base = statistics.median(rates[labels[0]])
     for label in labels:
         rs = rates[label]
         ratio = statistics.median(rs) / base
         ceiling = flops[labels[0]] / flops[label]
+        step_ms = words / statistics.median(rs) / args.batches * 1e3
+        times = f" | {step_ms:.1f} | {busy[label] / args.batches * 1e3:.1f}" if busy else ""
         print(
             f"| {label} | {statistics.median(rs):.0f} | {min(rs):.0f} | {max(rs):.0f} "
             f"| {flops[label] / 1e9:.1f} | {ratio:.3f} | {ceiling:.3f} "
-            f"| {operations[label]:.0f} |"
+            f"| {operations[label]:.0f}{times} |"
         )
     for label in labels[1:]:
         local = statistics.median(rates[label])
