@@ -12,7 +12,12 @@
 - ``study``, ``study_report``, ``small_scale_study``: resumable training runs keyed by their
   settings, trained until validation loss stops improving, and the study report with learning
   curves; ``fairseq_train``: fairseq-train with early stopping that survives a restart;
-- ``measurement``: timing and peak memory of one call, for the benchmarks.
+- ``measurement``: timing, peak memory, operation counts, host and GPU time of one call, and
+  the useful FLOPs and least memory traffic of a banded attention call, for the benchmarks;
+- ``host_overhead``: what one attention call of each mechanism costs against PyTorch's SDPA and
+  fairseq's ``MultiheadAttention`` (``benchmarks/host_overhead.py``);
+- ``kernel_results``: the kernel benchmark's JSON records as the docs' table
+  (``benchmarks/results_table.py``).
 
-The scripts in ``scripts/`` call the ``main`` of these modules.
+The scripts in ``scripts/`` and ``benchmarks/`` call these modules.
 """
