@@ -7,12 +7,35 @@ no folder that the project did not create is emptied or written into without ``-
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
+import sys
 from typing import Iterator
 
 # A folder created by one of the project's tools holds this file, naming the tool.
 OWNER_MARKER = ".local_attn_fairseq_output"
+
+
+class FolderNotOwned(FileExistsError):
+    """An output folder holds files that the tool claiming it did not write."""
+
+
+def _create_temporary(folder: str, name: str) -> str:
+    """Create an empty hidden file beside `name` in `folder` and return its path.
+
+    Not ``tempfile.mkstemp``: it creates files with mode 0600, and the rename would hand that
+    mode to the final file, so a group sharing the folder could not read it. Created with 0666,
+    the kernel applies the user's umask (and a default ACL) as for any new file.
+    """
+    for _ in range(100):
+        temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+        try:
+            handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(handle)
+        return temporary
+    raise FileExistsError(f"no free temporary name for {name!r} in {folder!r}")
 
 
 @contextlib.contextmanager
@@ -21,11 +44,11 @@ def atomic_output(path: str) -> Iterator[str]:
 
     The temporary file lives in the same folder (``os.replace`` is atomic only within one file
     system) and is removed if the body raises, so `path` is either the old file or the new one.
+    The new file has the mode the user's umask gives any new file (0666 & ~umask).
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    os.close(handle)
+    temporary = _create_temporary(folder, os.path.basename(path))
     try:
         yield temporary
         with open(temporary, "rb") as written:
@@ -53,12 +76,11 @@ def refuse_same_file(input_path: str, output_path: str) -> None:
         )
 
 
-def claim_output_dir(folder: str, tool: str, overwrite: bool = False) -> None:
-    """Make `folder` an output folder of `tool`, refusing one that holds someone else's files.
+def check_output_dir(folder: str, tool: str, overwrite: bool = False) -> None:
+    """Raise FolderNotOwned if `claim_output_dir` would refuse `folder`; changes nothing.
 
-    An absent or empty folder is created and marked; a folder marked by the same tool is reused;
-    anything else is refused unless `overwrite` is set (then it is marked and written into, and
-    still nothing in it is deleted).
+    Lets a tool refuse a folder before its work (reading a corpus) and claim it only when it has
+    something to write, so that a refused run leaves no folder behind.
     """
     marker = os.path.join(folder, OWNER_MARKER)
     if os.path.isdir(folder) and os.listdir(folder):
@@ -68,19 +90,50 @@ def claim_output_dir(folder: str, tool: str, overwrite: bool = False) -> None:
                 owner = handle.read().strip()
         if owner != tool and not overwrite:
             described = f"created by {owner}" if owner else "not created by " + tool
-            raise FileExistsError(
+            raise FolderNotOwned(
                 f"{folder!r} is not empty and was {described}; choose an empty or new folder, "
                 f"or pass --overwrite to write into it (nothing in it is deleted)"
             )
+
+
+def claim_output_dir(folder: str, tool: str, overwrite: bool = False) -> None:
+    """Make `folder` an output folder of `tool`, refusing one that holds someone else's files.
+
+    An absent or empty folder is created and marked; a folder marked by the same tool is reused;
+    anything else is refused (FolderNotOwned) unless `overwrite` is set (then it is marked and
+    written into, and still nothing in it is deleted).
+    """
+    check_output_dir(folder, tool, overwrite)
     os.makedirs(folder, exist_ok=True)
-    atomic_write_text(marker, tool + "\n")
+    atomic_write_text(os.path.join(folder, OWNER_MARKER), tool + "\n")
+
+
+def describe_os_error(error: OSError) -> str:
+    """``PATH: problem`` for an OSError that names a path, else its own message."""
+    if error.filename is None:
+        return str(error)
+    paths = error.filename if error.filename2 is None else f"{error.filename} -> {error.filename2}"
+    return f"{paths}: {error.strerror}"
+
+
+@contextlib.contextmanager
+def exit_on_os_error(option: str) -> Iterator[None]:
+    """For a command-line tool's reading and writing: an OSError (an unwritable --out-dir, a path
+    under a regular file, a refused folder) ends the program with one line, naming `option`, the
+    path and the problem, and status 1. Such a path is the user's to fix, not a bug to trace.
+    """
+    try:
+        yield
+    except OSError as error:
+        sys.exit(f"error: {option}: {describe_os_error(error)}")
 
 
 def replace_own_dir(folder: str, tool: str) -> None:
     """Empty `folder` for a new run of `tool`: it is removed only when absent, empty or marked
     by `tool` (so everything in it was written by `tool`), then created and marked again.
 
-    Raises FileExistsError, deleting nothing, for a non-empty folder of anyone else.
+    Raises FolderNotOwned (a FileExistsError), deleting nothing, for a non-empty folder of
+    anyone else.
     """
     claim_output_dir(folder, tool)
     shutil.rmtree(folder)

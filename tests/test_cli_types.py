@@ -31,6 +31,19 @@ def test_int_at_least_accepts_the_minimum_and_refuses_below_it_or_non_numbers():
         ("small_scale_study.py", ["--jobs", "0"], {}, "argument --jobs: must be at least 1"),
         ("small_scale_study.py", ["--patience", "-1"], {}, "--patience: must be at least 0"),
         ("prepare_bible.py", ["--out-dir", "x", "--max-train", "0"], {}, "--max-train: must be"),
+        ("prepare_ding.py", ["--out-dir", "x", "--test-size", "-5"], {}, "--test-size: must be"),
+        (
+            "prepare_classification.py",
+            ["--ding-dir", "d", "--out-dir", "x", "--workers", "0"],
+            {},
+            "argument --workers: must be at least 1, got 0",
+        ),
+        (
+            "data/prepare_mustc.py",
+            ["--mustc-root", "r", "--max-frames", "-1"],
+            {},
+            "argument --max-frames: must be at least 0, got -1",
+        ),
         (
             "data/synthesize_speech_corpus.py",
             ["--out-dir", "x", "--workers", "0"],

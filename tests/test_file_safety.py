@@ -5,8 +5,11 @@ import pytest
 from local_attn_fairseq.file_safety import (
     OWNER_MARKER,
     atomic_output,
+    FolderNotOwned,
     atomic_write_text,
+    check_output_dir,
     claim_output_dir,
+    exit_on_os_error,
     refuse_same_file,
 )
 
@@ -56,3 +59,38 @@ def test_claim_output_dir_refuses_foreign_folders(tmp_path):
     claim_output_dir(str(ours), "demo")  # its own folder is reused
     with pytest.raises(FileExistsError, match="created by demo"):
         claim_output_dir(str(ours), "study")
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_atomic_output_gives_the_mode_of_the_users_umask(tmp_path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        atomic_write_text(str(tmp_path / "new.txt"), "new")
+        (tmp_path / "old.txt").write_text("old")
+        os.chmod(tmp_path / "old.txt", 0o600)  # a replaced file gets a new file's mode too
+        atomic_write_text(str(tmp_path / "old.txt"), "replaced")
+    finally:
+        os.umask(previous)
+    for name in ("new.txt", "old.txt"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == mode
+
+
+def test_claim_output_dir_refusal_is_a_folder_not_owned_error(tmp_path):
+    (tmp_path / "data.txt").write_text("a user's")
+    with pytest.raises(FolderNotOwned):
+        check_output_dir(str(tmp_path), "tool")
+    check_output_dir(str(tmp_path / "absent"), "tool")  # nothing to refuse, nothing created
+    assert os.listdir(tmp_path) == ["data.txt"]
+
+
+def test_exit_on_os_error_names_the_option_the_path_and_the_problem(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        with exit_on_os_error("--out-dir"):
+            claim_output_dir(str(out), "tool")
+    assert exit_info.value.code == f"error: --out-dir: {out}: Not a directory"
+    with pytest.raises(SystemExit) as exit_info:
+        with exit_on_os_error("--out-dir"):
+            claim_output_dir(str(tmp_path), "tool")
+    assert "is not empty and was not created by tool" in exit_info.value.code

@@ -26,7 +26,11 @@ import os
 import random
 import re
 
+from ..cli_types import positive_int
+from ..file_safety import atomic_write_text, claim_output_dir, exit_on_os_error
+
 SPLITS = ("train", "valid", "test")
+TOOL = "scripts/prepare_classification.py"  # the owner named in the output folder
 GRAMMATICAL, UNGRAMMATICAL = "grammatical", "ungrammatical"
 _PAIRS = [
     ("is", "are"),
@@ -80,13 +84,10 @@ def make_examples(sentences, seed):
 
 
 def write_raw(examples, raw_dir, split):
-    os.makedirs(raw_dir, exist_ok=True)
-    with open(os.path.join(raw_dir, f"{split}.input0"), "w", encoding="utf-8") as text, open(
-        os.path.join(raw_dir, f"{split}.label"), "w", encoding="utf-8"
-    ) as labels:
-        for tokens, label in examples:
-            text.write(" ".join(tokens) + "\n")
-            labels.write(label + "\n")
+    texts = "".join(" ".join(tokens) + "\n" for tokens, _ in examples)
+    labels = "".join(label + "\n" for _, label in examples)
+    atomic_write_text(os.path.join(raw_dir, f"{split}.input0"), texts)
+    atomic_write_text(os.path.join(raw_dir, f"{split}.label"), labels)
 
 
 def binarize(raw_dir, out_dir, field, workers):
@@ -135,16 +136,32 @@ def main(argv=None):
     )
     parser.add_argument("--out-dir", required=True, help="data directory for sentence_prediction")
     parser.add_argument("--seed", type=int, default=1, help="which verb of a sentence is flipped")
-    parser.add_argument("--workers", type=int, default=1, help="fairseq-preprocess workers")
+    parser.add_argument(
+        "--workers", type=positive_int, default=1, help="fairseq-preprocess workers"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an --out-dir that holds other files (same-named files are replaced)",
+    )
     args = parser.parse_args(argv)
 
+    with exit_on_os_error("--ding-dir"):
+        sentences = {split: read_sentences(args.ding_dir, split) for split in SPLITS}
+    empty = [split for split in SPLITS if not sentences[split]]
+    if empty:
+        parser.error(f"--ding-dir: {args.ding_dir} has no sentences for {', '.join(empty)}")
     raw_dir = os.path.join(args.out_dir, "raw")
-    examples = {}
-    for offset, split in enumerate(SPLITS):
-        examples[split] = make_examples(read_sentences(args.ding_dir, split), args.seed + offset)
-        write_raw(examples[split], raw_dir, split)
-    for field in ("input0", "label"):
-        binarize(raw_dir, args.out_dir, field, args.workers)
+    examples = {
+        split: make_examples(sentences[split], args.seed + offset)
+        for offset, split in enumerate(SPLITS)
+    }
+    with exit_on_os_error("--out-dir"):
+        claim_output_dir(args.out_dir, TOOL, args.overwrite)
+        for split in SPLITS:
+            write_raw(examples[split], raw_dir, split)
+        for field in ("input0", "label"):
+            binarize(raw_dir, args.out_dir, field, args.workers)
     sizes = ", ".join(f"{split} {len(examples[split])}" for split in SPLITS)
     baseline = verb_form_baseline(examples["train"], examples["test"])
     print(f"| subject-verb agreement from Ding: {sizes} examples -> {args.out_dir}")

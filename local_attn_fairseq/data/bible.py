@@ -18,11 +18,13 @@ import subprocess
 import sys
 
 from ..cli_types import positive_int
-from ..file_safety import atomic_write_text, claim_output_dir
+from ..file_safety import atomic_write_text, check_output_dir, claim_output_dir, exit_on_os_error
 from .text import lines_text
 
 ENGLISH_MODULE = "engWEB2015eb"
 SPANISH_MODULE = "spaRV1909eb"
+# The owner named in the folders it writes; the script's name, so folders written earlier stay ours.
+TOOL = "scripts/prepare_bible.py"
 INSTALL_HINT = "install them with 'apt-get install diatheke sword-text-web sword-text-sparv'"
 
 # The 66 books both translations share, as diatheke's English locale names them, in order.
@@ -229,11 +231,8 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     books = args.books.split(",") if args.books else None
-    try:
-        # the marker name stays that of the script, so folders written earlier stay ours
-        claim_output_dir(args.out_dir, "scripts/prepare_bible.py", args.overwrite)
-    except FileExistsError as error:
-        sys.exit(f"error: --out-dir: {error}")
+    with exit_on_os_error("--out-dir"):  # refused before diatheke reads the corpus
+        check_output_dir(args.out_dir, TOOL, args.overwrite)
     try:
         splits = split_by_book(read_corpus(books), max_train=args.max_train)
     except (CorpusUnavailable, ValueError) as error:
@@ -242,12 +241,14 @@ def main(argv=None):
         splits[name] = splits[name][:size]
     empty = [name for name, pairs in splits.items() if not pairs]
     if empty:
-        sys.exit(
-            f"error: no verse pairs for {', '.join(empty)}: --books must include a held-out "
+        parser.error(
+            f"--books: no verse pairs for {', '.join(empty)}: --books must include a held-out "
             f"book for each split (valid: {', '.join(VALID_BOOKS)}; "
-            f"test: {', '.join(TEST_BOOKS)})"
+            f"test: {', '.join(TEST_BOOKS)}) and a book for training"
         )
-    write_splits(splits, args.out_dir)
+    with exit_on_os_error("--out-dir"):
+        claim_output_dir(args.out_dir, TOOL, args.overwrite)
+        write_splits(splits, args.out_dir)
     print(f"| Bible en-es: {describe(splits)} -> {args.out_dir}")
 
 

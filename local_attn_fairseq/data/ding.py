@@ -4,7 +4,9 @@ Each dictionary line reads ``DE :: EN``; both sides split on `` | `` into aligne
 many of which are example sentences. For every aligned sub-entry we keep the first ``; ``
 alternative, drop the ``{..}``, ``[..]`` and ``<..>`` annotations, and keep the pair when both
 sides are full sentences (capitalised, closing punctuation, at least ``--min-words`` words).
-Duplicates are removed and a seeded split writes ``{train,valid,test}.{de,en}``.
+Duplicates are removed and a seeded split writes ``{train,valid,test}.{de,en}`` into an output
+folder the tool claims (``file_safety.claim_output_dir``): a new or empty one, or one it wrote
+before; another non-empty folder only with ``--overwrite``.
 
 The dictionary is GPL-licensed: it is read from the system at run time and never shipped.
 """
@@ -15,10 +17,13 @@ import random
 import re
 import sys
 
-from ..file_safety import atomic_write_text
+from ..cli_types import positive_int
+from ..file_safety import atomic_write_text, check_output_dir, claim_output_dir, exit_on_os_error
 from .text import lines_text
 
 DEFAULT_SOURCE = "/usr/share/trans/de-en"
+# The owner named in the folders it writes (claim_output_dir): a folder of an earlier run is reused.
+TOOL = "scripts/prepare_ding.py"
 _ANNOTATION = re.compile(r"\{[^}]*\}|\[[^\]]*\]|<[^>]*>")
 _SPACES = re.compile(r"\s+")
 _SENTENCE_END = (".", "!", "?")
@@ -61,9 +66,15 @@ def extract_pairs(lines, min_words=4):
 
 
 def split_pairs(pairs, n_test, n_valid, seed, max_train=None):
+    """{"test", "valid", "train": [pair]}: disjoint, seeded; every split holds at least one pair."""
+    sizes = {"n_test": n_test, "n_valid": n_valid, "max_train": max_train}
+    small = [f"{name}={size}" for name, size in sizes.items() if size is not None and size < 1]
+    if small:
+        raise ValueError(f"split sizes must be at least 1: {', '.join(small)}")
     if len(pairs) <= n_test + n_valid:
         raise ValueError(
-            f"only {len(pairs)} sentence pairs, not enough for {n_test} test + {n_valid} valid"
+            f"only {len(pairs)} sentence pairs, not enough for {n_test} test + {n_valid} valid "
+            "and a training split"
         )
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
@@ -88,13 +99,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", default=DEFAULT_SOURCE, help="Ding dictionary file")
     parser.add_argument("--out-dir", required=True, help="directory for {train,valid,test}.{de,en}")
-    parser.add_argument("--test-size", type=int, default=1000)
-    parser.add_argument("--valid-size", type=int, default=500)
-    parser.add_argument("--min-words", type=int, default=4)
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an --out-dir that holds other files (their split files are replaced)",
+    )
+    parser.add_argument("--test-size", type=positive_int, default=1000)
+    parser.add_argument("--valid-size", type=positive_int, default=500)
+    parser.add_argument("--min-words", type=positive_int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--max-train",
-        type=int,
+        type=positive_int,
         default=None,
         help="keep only this many training pairs (smoke runs)",
     )
@@ -105,10 +121,20 @@ def main(argv=None):
             f"error: {args.source} not found; install Debian's dictionary with "
             "'apt-get install trans-de-en' or pass --source"
         )
-    with open(args.source, encoding="utf-8") as f:
+    with exit_on_os_error("--out-dir"):  # refused before the dictionary is read
+        check_output_dir(args.out_dir, TOOL, args.overwrite)
+    with exit_on_os_error("--source"), open(args.source, encoding="utf-8") as f:
         pairs = list(extract_pairs(f, args.min_words))
+    if len(pairs) <= args.test_size + args.valid_size:
+        parser.error(
+            f"--test-size {args.test_size} + --valid-size {args.valid_size} leave no training "
+            f"pairs: {args.source} gives {len(pairs)} sentence pairs of --min-words "
+            f"{args.min_words}"
+        )
     splits = split_pairs(pairs, args.test_size, args.valid_size, args.seed, args.max_train)
-    write_splits(splits, args.out_dir)
+    with exit_on_os_error("--out-dir"):
+        claim_output_dir(args.out_dir, TOOL, args.overwrite)
+        write_splits(splits, args.out_dir)
     sizes = ", ".join(f"{k} {len(v)}" for k, v in splits.items())
     print(f"| Ding de-en: {len(pairs)} sentence pairs ({sizes}) -> {args.out_dir}")
 

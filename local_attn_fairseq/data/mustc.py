@@ -36,6 +36,7 @@ from multiprocessing import Pool
 
 import numpy as np
 
+from ..cli_types import non_negative_int, positive_int
 from ..file_safety import atomic_output, atomic_write_text, claim_output_dir
 
 TOOL = "prepare_mustc"
@@ -598,11 +599,17 @@ def build_parser():
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--vocab-type", choices=("unigram", "bpe", "char"), default="unigram")
     parser.add_argument(
-        "--vocab-size", type=int, default=8000, help="largest vocabulary (smaller corpora get less)"
+        "--vocab-size",
+        type=positive_int,
+        default=8000,
+        help="largest vocabulary (smaller corpora get less)",
     )
     parser.add_argument("--cmvn", choices=("utterance", "global"), default="utterance")
     parser.add_argument(
-        "--gcmvn-max-num", type=int, default=150_000, help="training utterances for global CMVN"
+        "--gcmvn-max-num",
+        type=positive_int,
+        default=150_000,
+        help="training utterances for global CMVN",
     )
     parser.add_argument(
         "--specaugment",
@@ -622,9 +629,12 @@ def build_parser():
         help="with --audio-format wav: feed waveforms, not filterbanks (use_audio_input)",
     )
     parser.add_argument(
-        "--max-frames", type=int, default=3000, help="drop longer training segments (0: keep all)"
+        "--max-frames",
+        type=non_negative_int,
+        default=3000,
+        help="drop longer training segments (0: keep all)",
     )
-    parser.add_argument("--workers", type=int, default=2, help="parallel audio processes")
+    parser.add_argument("--workers", type=positive_int, default=2, help="parallel audio processes")
     parser.add_argument("--strict", action="store_true", help="fail when any segment is dropped")
     parser.add_argument(
         "--overwrite",
@@ -641,8 +651,6 @@ def main(argv=None):
         parser.error("--waveform-input needs --audio-format wav")
     if args.waveform_input and args.cmvn == "global":
         parser.error("--cmvn global normalises filterbanks; --waveform-input feeds waveforms")
-    if args.workers < 1 or args.vocab_size < 1:
-        parser.error("--workers and --vocab-size must be at least 1")
     try:
         prepare(args)
     except PreparationError as e:

@@ -113,7 +113,8 @@ def test_prepare_bible_writes_book_disjoint_splits(tmp_path):
          tmp_path / "none", "--books", "Genesis"],
         capture_output=True, text=True,
     )  # fmt: skip
-    assert proc.returncode != 0 and "no verse pairs for valid, test" in proc.stderr
+    assert proc.returncode == 2 and "--books: no verse pairs for valid, test" in proc.stderr
+    assert not (tmp_path / "none").exists()  # refused before anything is written
 
 
 def test_prepare_bible_refuses_a_folder_it_did_not_create(tmp_path):
@@ -125,3 +126,16 @@ def test_prepare_bible_refuses_a_folder_it_did_not_create(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0 and "--overwrite" in proc.stderr
     assert (tmp_path / "train.en").read_text() == "a user's own file\n"
+
+
+def test_prepare_bible_reports_an_unwritable_out_dir_in_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "out"  # under a regular file: not writable, even for root
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "prepare_bible.py"), "--out-dir", out,
+         "--books", "Ruth,Romans,Jude", "--max-train", "5", "--test-size", "5"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"error: --out-dir: {out}: Not a directory"
+    assert os.listdir(tmp_path) == ["a_file"]

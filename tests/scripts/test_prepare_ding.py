@@ -67,3 +67,96 @@ def test_missing_dictionary_is_a_clear_error(tmp_path):
         text=True,
     )
     assert proc.returncode != 0 and "apt-get install trans-de-en" in proc.stderr
+
+
+SCRIPT = os.path.join(REPO, "scripts", "prepare_ding.py")
+SMALL = ["--test-size", "3", "--valid-size", "2", "--max-train", "5"]
+
+
+def prepare(*argv, umask=None):
+    """scripts/prepare_ding.py as a user runs it (with `umask` set in the child, if given)."""
+    return subprocess.run(
+        [sys.executable, SCRIPT, *map(str, argv)], capture_output=True, text=True,
+        preexec_fn=None if umask is None else (lambda: os.umask(umask)),
+    )  # fmt: skip
+
+
+def refused(capsys, *argv):
+    """(exit status, stderr) of prepare_ding's main, run in this process (no import cost)."""
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_ding.main([*map(str, argv)])
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_prepare_ding_refuses_a_folder_it_did_not_create(tmp_path, capsys):
+    (tmp_path / "train.de").write_text("a user's own file\n")
+    proc = prepare("--out-dir", tmp_path, *SMALL)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "not created by scripts/prepare_ding.py" in proc.stderr and "--overwrite" in proc.stderr
+    assert os.listdir(tmp_path) == ["train.de"]
+    assert (tmp_path / "train.de").read_text() == "a user's own file\n"
+    # --overwrite writes into it (the same option as prepare_bible.py), deleting nothing else
+    (tmp_path / "notes.txt").write_text("kept")
+    prepare_ding.main(["--out-dir", str(tmp_path), *SMALL, "--overwrite"])
+    assert len((tmp_path / "train.de").read_text().splitlines()) == 5
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+    # a folder it created is its own: a second run replaces its splits without --overwrite
+    ours = tmp_path / "ours"
+    prepare_ding.main(["--out-dir", str(ours), *SMALL])
+    prepare_ding.main(["--out-dir", str(ours), "--test-size", "4", "--valid-size", "2"])
+    assert len((ours / "test.en").read_text().splitlines()) == 4
+    assert "/ours" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--test-size", "-5"], "argument --test-size: must be at least 1, got -5"),
+        (["--valid-size", "0"], "argument --valid-size: must be at least 1, got 0"),
+        (["--max-train", "-10"], "argument --max-train: must be at least 1, got -10"),
+        (["--max-train", "0"], "argument --max-train: must be at least 1, got 0"),
+        (["--min-words", "0"], "argument --min-words: must be at least 1, got 0"),
+        (["--test-size", "18000", "--valid-size", "135"], "--test-size 18000 + --valid-size 135"),
+        (["--min-words", "40"], "leave no training pairs"),
+    ],
+)
+def test_prepare_ding_refuses_sizes_that_leave_a_split_empty_or_overlapping(
+    tmp_path, capsys, argv, message
+):
+    status, err = refused(capsys, "--out-dir", tmp_path / "out", *argv)
+    assert status == 2 and message in err.splitlines()[-1], err
+    assert os.listdir(tmp_path) == []
+
+
+def test_prepare_ding_refuses_sizes_through_the_script(tmp_path):
+    proc = prepare("--out-dir", tmp_path / "out", "--test-size", "18000", "--valid-size", "500")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--test-size 18000 + --valid-size 500 leave no training pairs" in proc.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def file_modes(folder):
+    return {name: os.stat(folder / name).st_mode & 0o777 for name in os.listdir(folder)}
+
+
+def test_prepare_ding_files_get_the_mode_of_the_users_umask(tmp_path):
+    proc = prepare("--out-dir", tmp_path / "private", *SMALL, umask=0o077)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    modes = file_modes(tmp_path / "private")
+    assert len(modes) == 7 and set(modes.values()) == {0o600}  # six splits and the marker
+    previous = os.umask(0o022)  # a group sharing the folder reads what the tool wrote
+    try:
+        prepare_ding.main(["--out-dir", str(tmp_path / "shared"), *SMALL])
+    finally:
+        os.umask(previous)
+    modes = file_modes(tmp_path / "shared")
+    assert len(modes) == 7 and set(modes.values()) == {0o644}
+
+
+def test_prepare_ding_reports_an_unwritable_out_dir_in_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "out"  # under a regular file: not writable, even for root
+    proc = prepare("--out-dir", out, *SMALL)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"error: --out-dir: {out}: Not a directory"
+    assert os.listdir(tmp_path) == ["a_file"]
