@@ -7,27 +7,13 @@
 The pruned checkpoint has smaller attention matrices and no gates, needs no extra options to load,
 and translates as the gated model does at test time. Continue training it with --reset-optimizer.
 The output must differ from the input; it is written to a temporary file and renamed into place.
+An existing file at the output path is replaced only with --overwrite; a missing, empty or
+truncated checkpoint is named in one line.
 """
 
-import argparse
+import sys
 
-from local_attn_fairseq.modules.head_pruning import heads_table, prune_checkpoint
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="checkpoint of a model trained with --head-gates")
-    parser.add_argument("output", help="where to write the pruned checkpoint")
-    args = parser.parse_args(argv)
-    try:
-        before, after, (params_before, params_after) = prune_checkpoint(
-            args.checkpoint, args.output
-        )
-    except ValueError as e:
-        parser.error(str(e))
-    print(heads_table(before, after))
-    print(f"model parameters: {params_before:,} -> {params_after:,} (written to {args.output})")
-
+from local_attn_fairseq.prune_heads import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(description=__doc__.split("\n\n")[0]))

@@ -26,6 +26,7 @@ from .loading import (
     AnalysisInputError,
     add_checkpoint_arguments,
     add_output_arguments,
+    encoder_self_attention_modules,
     load_model,
     load_subset,
 )
@@ -140,6 +141,11 @@ def sample_batches(task, subset, num_sentences, seed, batch_size):
 def analyse(path, data, config_yaml, subset, args):
     """Per-layer statistics of one checkpoint over the sample, plus one sentence for the plot."""
     loaded = load_model(path, data, cpu=args.cpu, config_yaml=config_yaml)
+    encoder_self_attention_modules(loaded, path)  # a language model has none: say so
+    try:
+        contrib.check_decomposable(contrib.encoder_layers(loaded.model))
+    except ValueError as error:  # a model the decomposition does not fit (post-LN, ...)
+        raise AnalysisInputError(f"{path}: {error}") from None
     dataset, chunks, drawn = sample_batches(
         loaded.task, subset, args.num_sentences, args.seed, args.batch_size
     )

@@ -48,7 +48,9 @@ from fairseq.modules import MultiheadAttention
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from ..checkpoint_files import UnreadableCheckpointError, read_checkpoint
 from ..modules.local_multihead_attention import LocalMultiheadAttention
+from .output import claim_output_folder
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +71,29 @@ class AnalysisInputError(ValueError):
     """Bad input (a file, a line of it, an option): reported in one line, without traceback."""
 
 
+# What a user's input can cause, reported in one line by the command line: a checkpoint or
+# data folder that is not there or not readable, an output folder that is not the tool's.
+EXPECTED_ERRORS = (
+    AnalysisInputError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    UnreadableCheckpointError,
+)
+
+
 def reports_input_errors(run):
-    """Wrap a subcommand's ``run(args)``: input errors print ``local-attn-analyze: error: ...``
-    on stderr and give exit status 2."""
+    """Wrap a subcommand's ``run(args)``: input errors (a missing or unreadable file, an output
+    folder of someone else's) print ``local-attn-analyze: error: ...`` on stderr and give exit
+    status 2. Only these expected errors are caught: a bug still shows its traceback."""
 
     @functools.wraps(run)
     def checked(args):
         try:
+            if getattr(args, "output_dir", None):
+                claim_output_folder(args.output_dir, getattr(args, "overwrite", False))
             return run(args)
-        except (AnalysisInputError, FileNotFoundError) as error:
+        except EXPECTED_ERRORS as error:
             name = " ".join(filter(None, ["local-attn-analyze", getattr(args, "subcommand", None)]))
             print(f"{name}: error: {error}", file=sys.stderr)
             return 2
@@ -154,6 +170,12 @@ def add_output_arguments(parser, output_dir: Optional[str] = "analysis"):
         metavar="DIR",
         help="where JSON and PNG files go",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --output-dir that local-attn-analyze did not create "
+        "(files of the same names are replaced; nothing else in it is touched)",
+    )
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is there")
 
 
@@ -200,13 +222,21 @@ def load_model(
     ``config_yaml``, in ``data`` or a path of its own)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--path: no checkpoint file {path}")
+    # read (its tensors mapped, not loaded) before fairseq does: a truncated or empty file is
+    # then named in one line instead of failing deep inside fairseq
+    state = read_checkpoint(path)
     overrides = {}
     if data is not None:
         if not os.path.isdir(data):
             raise FileNotFoundError(f"--data: no directory {data}")
+        if not os.listdir(data):
+            raise AnalysisInputError(
+                f"--data: {data} is empty; give the task's data directory (the one holding "
+                "the model's dict.*.txt and the binarised subsets)"
+            )
         overrides["data"] = data
     else:
-        data = _saved_data_dir(checkpoint_utils.load_checkpoint_to_cpu(path))
+        data = _saved_data_dir(state)
         if data is None or not all(os.path.isdir(d) for d in data.split(":")):
             raise FileNotFoundError(
                 f"{path} was trained on data directory {data!r}, which is not here; "
@@ -408,8 +438,11 @@ def _bind(function, key):
 
 def run_model(model: nn.Module, sample: dict, types=ATTENTION_TYPES):
     """Teacher-forced forward pass, or the encoder alone for a sentence without a target (or
-    when only encoder attention is asked for)."""
+    when only encoder attention is asked for); a language model reads the sentence itself."""
     net_input = sample["net_input"]
+    if getattr(model, "encoder", None) is None:
+        # a decoder-only language model: the sentence is its input, read left to right
+        return model(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
     if "prev_output_tokens" in net_input and set(types) != {"encoder_self"}:
         return model(**net_input)
     return model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])

@@ -6,7 +6,11 @@ import math
 import os
 from typing import Optional, Sequence
 
-from ..file_safety import atomic_output, atomic_write_text
+from ..file_safety import atomic_output, atomic_write_text, claim_output_dir
+
+# The owner named in the marker of an output folder (file_safety): one for every subcommand,
+# so that the results of several analyses can share a folder.
+OUTPUT_OWNER = "local-attn-analyze"
 
 # Pande et al.'s colours: local blue, syntactic orange, unrelated green.
 SET_COLOURS = {
@@ -17,8 +21,20 @@ SET_COLOURS = {
 }
 
 
+def claim_output_folder(output_dir: str, overwrite: bool = False) -> None:
+    """Refuse, before any work, a non-empty folder that the tool did not create (unless
+    `overwrite`); an absent or empty one is created only when the first result is written, so
+    a run that fails on its input leaves nothing behind."""
+    if os.path.isdir(output_dir) and os.listdir(output_dir):
+        try:
+            claim_output_dir(output_dir, OUTPUT_OWNER, overwrite)
+        except FileExistsError as error:
+            raise FileExistsError(f"--output-dir {error}") from None
+
+
 def output_path(output_dir: str, name: str) -> str:
-    os.makedirs(output_dir, exist_ok=True)
+    # The folder is the tool's by now (claim_output_folder), or absent or empty: claimed here.
+    claim_output_dir(output_dir, OUTPUT_OWNER)
     return os.path.join(output_dir, name)
 
 

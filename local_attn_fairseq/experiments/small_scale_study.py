@@ -175,14 +175,19 @@ def prepare(corpus, work, args, max_train):
     return StudyCorpus(corpus, description, bin_dir, counts["train"], counts["test"])
 
 
+def base_argv(args):
+    """The fairseq-train options every run of the study shares (the model's come after)."""
+    return [
+        "--user-dir", USER_DIR, *demo.MODEL_DIMS, *(TINY_WIDTHS if args.tiny else []),
+        *study_schedule(),
+    ]  # fmt: skip
+
+
 def run_study(args, argv):
     """Every corpus prepared, its runs trained and scored; the report written and printed."""
     work = os.path.abspath(args.work_dir)
     started = time.time()
-    base = [
-        "--user-dir", USER_DIR, *demo.MODEL_DIMS, *(TINY_WIDTHS if args.tiny else []),
-        *study_schedule(),
-    ]  # fmt: skip
+    base = base_argv(args)
     records = os.path.abspath(args.records or os.path.join(work, "records"))
     results = []
     for corpus in args.corpora:

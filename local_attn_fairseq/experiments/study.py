@@ -223,6 +223,15 @@ def record_path(records_dir, corpus, run):
     return os.path.join(records_dir, f"{corpus}-{run.name}-seed{run.seed}-{run.key}.json")
 
 
+# What the report reads of every recorded run (``summarise``, the curves), its budget first: a
+# record without one of them (written by hand, or by another version) is refused by name, not
+# met later as a KeyError.
+RECORD_FIELDS = (
+    "max_update", "patience", "seed", "bleu", "updates_trained", "updates_to_convergence",
+    "converged", "train_words_per_s", "encoder_attention_params", "validations",
+)  # fmt: skip
+
+
 def read_record(path, max_update, patience):
     """The record at ``path`` if it is one of a run under this budget, else None."""
     if not os.path.exists(path):
@@ -230,10 +239,20 @@ def read_record(path, max_update, patience):
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
-        budget = (record["max_update"], record["patience"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise RunFailed(f"{path} is not a record of a study run ({e}): move it away") from e
-    return record if budget == (max_update, patience) else None
+    except ValueError as e:
+        raise RunFailed(f"{path} is not a record of a study run ({e}): move it away") from None
+    if not isinstance(record, dict):
+        raise RunFailed(f"{path} is not a record of a study run (not a JSON object): move it away")
+    missing = [field for field in RECORD_FIELDS[:2] if field not in record]
+    if not missing and (record["max_update"], record["patience"]) != (max_update, patience):
+        return None  # a run under another budget: not read, whatever else it holds
+    missing += [field for field in RECORD_FIELDS[2:] if field not in record]
+    if missing:
+        raise RunFailed(
+            f"{path} is not a complete record of a study run: it lacks {', '.join(missing)}; "
+            "move it away"
+        )
+    return record
 
 
 def write_record(path, result, run, max_update, patience):

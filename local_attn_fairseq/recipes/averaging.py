@@ -23,6 +23,7 @@ import torch
 
 from ..file_safety import atomic_output, atomic_write_text, refuse_same_file
 from ..modules.head_pruning import heads_table, prune_checkpoint
+from .config import RecipeError
 
 _BY_UPDATE = re.compile(r"^checkpoint_\d+_(\d+)\.pt$")
 _BY_EPOCH = re.compile(r"^checkpoint(\d+)\.pt$")
@@ -40,7 +41,7 @@ def last_checkpoints(save_dir, n):
             return [os.path.join(save_dir, f) for _, f in numbered[-n:]]
     if "checkpoint_last.pt" in names:
         return [os.path.join(save_dir, "checkpoint_last.pt")]
-    raise FileNotFoundError(f"no checkpoint in {save_dir}: has the train stage run?")
+    raise FileNotFoundError(f"no checkpoint in {save_dir}: run the train stage first")
 
 
 def average_checkpoints(paths, output):
@@ -94,7 +95,10 @@ def average(run, row):
         print(f"$ python scripts/recipes/average_checkpoints.py {save_dir} {averaged} "
               f"--last {last}")  # fmt: skip
     else:
-        paths = last_checkpoints(save_dir, last)
+        try:
+            paths = last_checkpoints(save_dir, last)
+        except FileNotFoundError as error:
+            raise RecipeError(str(error)) from None  # the train stage has not run
         average_checkpoints(paths, averaged)
         print(f"| averaged {len(paths)} checkpoints -> {averaged}")
     if row["prune"]:

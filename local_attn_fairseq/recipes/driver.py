@@ -3,7 +3,7 @@
 import os
 
 from . import averaging, evaluation, speech, text_preparation, training
-from .config import get_row
+from .config import RecipeError, get_row
 from .workspace import RecipeWorkspace
 
 
@@ -32,6 +32,7 @@ class RecipeRun(RecipeWorkspace):
         if stage in ("prepare", "all"):
             self.prepare()
         if stage in ("train", "all"):
+            self.require_prepared(row)
             self.ensure_dependencies(row)
             self.train(row)
         if stage in ("average", "all"):
@@ -39,6 +40,18 @@ class RecipeRun(RecipeWorkspace):
         if stage in ("evaluate", "all"):
             return self.evaluate(row)
         return None
+
+    def require_prepared(self, row):
+        """A clear RecipeError, before fairseq starts, when the data the row trains on is not
+        prepared (the train stage run before the prepare stage, or in another work dir)."""
+        if self.dry_run:
+            return
+        if self.kind == "speech":
+            needed = os.path.join(self.data, speech.task_files(self, row)["config"])
+        else:
+            needed = self.bin
+        if not os.path.exists(needed):
+            raise RecipeError(f"{needed} does not exist: run the prepare stage first")
 
     def ensure_dependencies(self, row):
         """Train (and average, prune) the rows this row starts from, unless already done."""

@@ -1,10 +1,13 @@
 """Learned windows (Yang et al. Figs. 2-3, Nguyen et al.): the maths and the subcommand."""
 
+import pytest
 import torch
 
 from local_attn_fairseq.analysis.cli import main
 from local_attn_fairseq.analysis.learned_windows import expected_window
 
+from ..conftest import USER_DIR, fairseq_cli
+from ..models.test_language_model import LM_TINY, LM_TRAIN
 from .conftest import analyze, read_json
 
 
@@ -60,3 +63,46 @@ def test_model_without_learned_windows_gets_a_clear_message(trained_checkpoint, 
     )
     assert status == 2
     assert "neither Gaussian localness heads" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def language_model(tiny_data, tmp_path_factory):
+    """fairseq-train of a tiny transformer_lm_dynwin (Dec(AW) in every layer) for two updates,
+    on the English side of the tiny corpus; returns (checkpoint, data)."""
+    small, data = tiny_data / "small", tmp_path_factory.mktemp("lm_bin")
+    fairseq_cli(
+        "fairseq-preprocess", "--only-source", "--trainpref", small / "train.en",
+        "--validpref", small / "valid.en", "--testpref", small / "test.en",
+        "--destdir", data, "--workers", 1,
+    )  # fmt: skip
+    save_dir = tmp_path_factory.mktemp("lm_windows")
+    fairseq_cli(
+        "fairseq-train", data, "--user-dir", USER_DIR, "--arch", "transformer_lm_dynwin_tiny",
+        *LM_TINY, *LM_TRAIN, "--dynamic-window", "decoder_self:aw:0-2", "--save-dir", save_dir,
+    )  # fmt: skip
+    return save_dir / "checkpoint_last.pt", data
+
+
+def test_windows_of_a_language_model_are_its_decoder_self_attention(language_model, tmp_path):
+    checkpoint, data = language_model
+    out = tmp_path / "out"
+    analyze("windows", "--path", checkpoint, "--data", data, "--gen-subset", "valid",
+            "--max-sentences", 2, "--output-dir", out, "--cpu")  # fmt: skip
+    dynamic = read_json(out / "windows.json")["mechanisms"]["dynamic"]
+    assert [(e["attention"], e["layer"]) for e in dynamic] == [
+        ("decoder_self", 0), ("decoder_self", 1), ("decoder_self", 2),
+    ]  # fmt: skip
+    for entry in dynamic:
+        assert entry["size"]["q1"] >= 1 and entry["right_offset"]["q3"] <= 0  # causal
+    assert (out / "windows_dynamic.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("subcommand", ["bias", "contributions"])
+def test_encoder_analyses_of_a_language_model_say_it_has_no_encoder(
+    language_model, tmp_path, subcommand
+):
+    checkpoint, data = language_model
+    proc = analyze(subcommand, "--path", checkpoint, "--data", data, "--gen-subset", "valid",
+                   "--output-dir", tmp_path / "out", "--cpu", check=False)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "has no encoder self-attention" in proc.stderr.strip().splitlines()[-1]

@@ -2,6 +2,9 @@
 the models and ablations the study trains."""
 
 import json
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -9,11 +12,14 @@ import torch
 from fairseq import checkpoint_utils, options, tasks
 from fairseq_cli import train
 
-from local_attn_fairseq.experiments import demo, fairseq_train, study, study_report
+from local_attn_fairseq.experiments import demo, fairseq_train, small_scale_study, study
+from local_attn_fairseq.experiments import study_report
 from local_attn_fairseq.experiments.small_scale_study import TINY_WIDTHS
 from local_attn_fairseq.experiments.fairseq_runner import USER_DIR, RunFailed
 from local_attn_fairseq.experiments.training_progress import Validation
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
+
+from ..conftest import REPO
 
 
 def test_run_key_depends_on_settings_not_on_the_budget():
@@ -40,12 +46,19 @@ def test_run_key_is_the_same_wherever_the_study_lies():
     assert run.key == study.run_key(argv(here), here) and run.seed == 1
 
 
+# A scored run's result, as ``study_report.score_run`` gives it.
+RESULT = {
+    "seed": 1, "bleu": 7.5, "updates_trained": 8, "updates_to_convergence": 8, "converged": False,
+    "train_words_per_s": 1000.0, "encoder_attention_params": 4096, "validations": [],
+}  # fmt: skip
+
+
 def test_records_are_read_only_under_the_same_budget(tmp_path):
     run = study.TrainingRun("baseline", "b", ["data", "--seed", "3"], str(tmp_path / "ding-de-en"))
     path = study.record_path(str(tmp_path / "records"), "ding-de-en", run)
     assert path.endswith(f"ding-de-en-baseline-seed3-{run.key}.json")
     assert study.read_record(path, 100, 3) is None
-    result = {"bleu": 7.5, "save_dir": "/this/machine", "validations": []}
+    result = dict(RESULT, bleu=7.5, save_dir="/this/machine")
     study.write_record(path, result, run, max_update=100, patience=3)
     record = study.read_record(path, 100, 3)
     assert record["bleu"] == 7.5 and "save_dir" not in record and record["key"] == run.key
@@ -54,6 +67,38 @@ def test_records_are_read_only_under_the_same_budget(tmp_path):
         f.write("{not json")
     with pytest.raises(RunFailed, match="not a record of a study run"):
         study.read_record(path, 100, 3)
+
+
+def test_a_record_without_bleu_is_named_by_the_study(tmp_path):
+    """The study's command line, given a records folder whose record of its run lacks "bleu"
+    (written by hand, or cut short): one line naming the file and the field, no KeyError."""
+    work, records = tmp_path / "study", tmp_path / "records"
+    argv = ["--work-dir", work, "--corpus", "bible-en-es", "--tiny", "--max-train", 300,
+            "--test-size", 20, "--vocab-size", 400, "--seeds", 1, "--models", "baseline",
+            "--max-update", 4, "--records", records, "--report-only"]  # fmt: skip
+    argv = list(map(str, argv))
+    command = [sys.executable, os.path.join(REPO, "scripts", "small_scale_study.py"), *argv]
+    first = subprocess.run(command, capture_output=True, text=True)  # prepares the corpus
+    assert first.returncode == 0 and "1 runs, 0 recorded" in first.stdout, first.stderr[-2000:]
+
+    # the record this study reads for its one run, as another machine would have written it
+    args = small_scale_study.parse_args(argv)
+    corpus_dir = str(work / "bible-en-es")
+    corpus = small_scale_study.prepare("bible-en-es", corpus_dir, args, args.max_train)
+    base = small_scale_study.base_argv(args)
+    run = study_report.study_runs(corpus, corpus_dir, base, ["baseline"], [1])["baseline"][0]
+    path = study.record_path(str(records), "bible-en-es", run)
+    study.write_record(path, RESULT, run, max_update=4, patience=args.patience)
+    with open(path) as f:
+        record = json.load(f)
+    del record["bleu"]
+    with open(path, "w") as f:
+        json.dump(record, f)
+
+    second = subprocess.run(command, capture_output=True, text=True)
+    assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-2000:]
+    error = second.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and path in error and "lacks bleu" in error
 
 
 def test_convergence_counts_validations_since_the_best():

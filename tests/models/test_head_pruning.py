@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from fairseq import checkpoint_utils
 
@@ -83,6 +84,10 @@ def test_finetune_with_gates_then_prune_and_generate(tiny_data, tmp_path):
     torch.save(state, tmp_path / "gated.pt")
     report = prune(tmp_path / "gated.pt", tmp_path / "pruned.pt")
     assert "encoder_self     48 ->   34 heads" in report, report
+    # its own earlier output too is replaced only when the user says so
+    assert run_prune(tmp_path / "gated.pt", tmp_path / "pruned.pt").returncode == 2
+    again = run_prune(tmp_path / "gated.pt", tmp_path / "pruned.pt", "--overwrite")
+    assert again.returncode == 0 and "48 ->   34 heads" in again.stdout, again.stderr
 
     pruned = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "pruned.pt"))["model"]
     assert pruned["encoder.layers.3.self_attn.out_proj.weight"].shape == (32, 0)
@@ -114,3 +119,49 @@ def test_prune_refuses_a_checkpoint_without_gates(trained_checkpoint, tmp_path):
         text=True,
     )
     assert proc.returncode != 0 and "has no head gates" in proc.stderr
+
+
+def run_prune(*args):
+    script = os.path.join(REPO, "scripts", "prune_heads.py")
+    return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
+
+
+def assert_one_line_error(proc, *expected):
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    # fairseq's import may log a line of its own (a missing optional package): not an error
+    lines = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith("prune_heads.py: error:"), proc.stderr
+    for text in expected:
+        assert text in lines[0]
+
+
+def test_prune_refuses_to_replace_a_file_it_was_not_told_to(trained_checkpoint, tmp_path):
+    thesis = tmp_path / "thesis.txt"
+    thesis.write_text("three years of work")
+    proc = run_prune(trained_checkpoint, thesis)
+    assert_one_line_error(proc, str(thesis), "--overwrite")
+    assert thesis.read_text() == "three years of work" and os.listdir(tmp_path) == ["thesis.txt"]
+    # with --overwrite the file may be replaced: the run goes on to the checkpoint's own check
+    proc = run_prune(trained_checkpoint, thesis, "--overwrite")
+    assert_one_line_error(proc, "has no head gates")
+    assert thesis.read_text() == "three years of work" and os.listdir(tmp_path) == ["thesis.txt"]
+
+
+@pytest.mark.parametrize(
+    "broken, expected",
+    [
+        ("missing", "no such checkpoint file"),
+        ("empty", "the file is empty"),
+        ("truncated", "truncated or not a checkpoint"),
+    ],
+)
+def test_prune_names_an_unreadable_checkpoint(trained_checkpoint, tmp_path, broken, expected):
+    checkpoint = tmp_path / f"{broken}.pt"
+    if broken == "empty":
+        checkpoint.write_bytes(b"")
+    elif broken == "truncated":
+        whole = trained_checkpoint.read_bytes()
+        checkpoint.write_bytes(whole[: len(whole) // 2])
+    proc = run_prune(checkpoint, tmp_path / "pruned.pt")
+    assert_one_line_error(proc, str(checkpoint), expected)
+    assert not (tmp_path / "pruned.pt").exists()

@@ -435,6 +435,19 @@ def test_recipes_refuse_a_work_dir_of_someone_else(tmp_path):
     assert os.listdir(tmp_path) == ["data"] and os.listdir(tmp_path / "data") == ["mine.txt"]
 
 
+@pytest.mark.parametrize(
+    "stage, missing, advice",
+    [("train", "bin", "run the prepare stage first"),
+     ("average", "checkpoints", "run the train stage first")],
+)  # fmt: skip
+def test_a_stage_before_its_inputs_says_which_stage_to_run(tmp_path, stage, missing, advice):
+    proc = cli("pande_wmt14_en_de", "--row", "1LocHead 7TiedLoc All6 (i)", "--stage", stage,
+               "--work-dir", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and missing in error and advice in error
+
+
 def test_averaging_refuses_to_write_over_a_checkpoint_it_reads(tmp_path):
     torch.save({"model": {"a": torch.ones(1)}}, tmp_path / "checkpoint_1_10.pt")
     paths = averaging.last_checkpoints(str(tmp_path), 5)

@@ -1,0 +1,74 @@
+"""``scripts/prune_heads.py``: remove the heads whose gates are closed from a checkpoint trained
+with --head-gates (the pruning itself is ``modules.head_pruning.prune_checkpoint``).
+
+What a user can get wrong is refused in one line, exit status 2, before anything is written: a
+checkpoint that is missing, empty or truncated, and an output path that already holds a file
+(the user's, which is replaced only with ``--overwrite``) or is the input itself.
+"""
+
+import argparse
+import os
+import sys
+
+from .checkpoint_files import UnreadableCheckpointError, read_checkpoint
+from .modules.head_pruning import heads_table, prune_checkpoint
+
+PROG = "prune_heads.py"
+
+
+class PruneInputError(ValueError):
+    """A checkpoint or output path that cannot be used: reported in one line."""
+
+
+def build_parser(description=None):
+    parser = argparse.ArgumentParser(prog=PROG, description=description)
+    parser.add_argument("checkpoint", help="checkpoint of a model trained with --head-gates")
+    parser.add_argument("output", help="where to write the pruned checkpoint")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing file at OUTPUT (by default it is refused, so that a mistyped "
+        "output never destroys a file)",
+    )
+    return parser
+
+
+def check_paths(checkpoint, output, overwrite=False):
+    """Raise PruneInputError unless `checkpoint` is a readable checkpoint and `output` may be
+    written. Only a file the user asked to replace is ever replaced: the tool cannot tell its
+    own earlier output from the user's file of the same name."""
+    if not os.path.exists(checkpoint):
+        raise PruneInputError(f"{checkpoint}: no such checkpoint file")
+    if not os.path.isfile(checkpoint):
+        raise PruneInputError(f"{checkpoint}: not a file")
+    if os.path.getsize(checkpoint) == 0:
+        raise PruneInputError(f"{checkpoint}: the file is empty, not a checkpoint")
+    if os.path.isdir(output):
+        raise PruneInputError(f"{output} is a folder; give the path of the pruned checkpoint")
+    if os.path.exists(output) and os.path.realpath(output) != os.path.realpath(checkpoint):
+        if not overwrite:
+            raise PruneInputError(
+                f"{output} exists; choose a new output path, or pass --overwrite to replace it"
+            )
+    try:
+        state = read_checkpoint(checkpoint)
+    except UnreadableCheckpointError as error:
+        raise PruneInputError(str(error)) from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise PruneInputError(f"{checkpoint}: not a fairseq checkpoint (it has no model weights)")
+
+
+def main(argv=None, description=None):
+    args = build_parser(description).parse_args(argv)
+    try:
+        check_paths(args.checkpoint, args.output, args.overwrite)
+        # ValueError: the output is the input, or the model has no head gates
+        before, after, (params_before, params_after) = prune_checkpoint(
+            args.checkpoint, args.output
+        )
+    except (PruneInputError, ValueError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    print(heads_table(before, after))
+    print(f"model parameters: {params_before:,} -> {params_after:,} (written to {args.output})")
+    return 0
