@@ -242,15 +242,31 @@ BANDED_ISA_ATTR inline double keep_factor(const BandProblem& pb, int64_t bh, int
 }
 
 // Softmax of window row x of the logits (scaled by pb.scale) into t[0 .. span length),
-// zero for masked keys. Returns the row's log-sum-exp, -inf when no key is allowed.
+// zero for masked keys. Returns the row's log-sum-exp, -inf when no key is allowed, NaN when
+// an allowed logit is NaN (a NaN or inf in q or k): then every allowed weight is NaN, as a
+// softmax over such a row gives on the other routes, not the zeros of a row without keys.
 template <typename acc_t>
 BANDED_ISA_ATTR acc_t row_softmax(const acc_t* logits, const unsigned char* key_ok, RowSpan span,
                                   acc_t scale, acc_t* t) {
   constexpr int64_t L = Lanes<acc_t>::count;
   const acc_t neg_inf = -__builtin_inf();
   acc_t row_max = neg_inf;
+  bool nan_logit = false;
   for (int64_t y = span.begin; y < span.end; ++y) {
-    if (key_ok[y] && logits[y] * scale > row_max) row_max = logits[y] * scale;
+    if (!key_ok[y]) continue;
+    const acc_t z = logits[y] * scale;
+    if (z > row_max) {
+      row_max = z;
+    } else if (z != z) {
+      nan_logit = true;
+    }
+  }
+  if (nan_logit) {
+    const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+    for (int64_t k = 0; k < span.end - span.begin; ++k) {
+      t[k] = key_ok[span.begin + k] ? nan : acc_t(0);
+    }
+    return nan;
   }
   if (row_max == neg_inf) return neg_inf;
   const int64_t n = span.end - span.begin, padded = (n + L - 1) / L * L;

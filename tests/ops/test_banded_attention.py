@@ -433,6 +433,21 @@ def test_a_nonfinite_value_reaches_exactly_the_queries_that_see_it(route, dtype)
     torch.testing.assert_close(out.double(), expected, equal_nan=True, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("route", IMPLS + ["sdpa"])
+def test_a_nan_query_makes_its_own_row_nan_on_every_route(route):
+    """Not zeros: a row whose logits are NaN has keys, unlike a row without any."""
+    q, k, v = (t.detach() for t in make_qkv(2, 2, 30, 8, torch.float32))
+    q[0, 1, 12] = float("nan")  # a whole query row
+    q[1, 0, 5, 3] = float("nan")  # one entry: every logit of the row
+    padding = torch.zeros(2, 30, dtype=torch.bool)
+    padding[1, 20:] = True
+    with implementation(route):
+        out = banded_attention(q, k, v, [3, 4], [2, 0], padding)
+    expected = torch.zeros(out.shape, dtype=torch.bool)
+    expected[0, 1, 12] = expected[1, 0, 5] = True
+    assert torch.equal(torch.isnan(out), expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # The operators as PyTorch sees them.
 
