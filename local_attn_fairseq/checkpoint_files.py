@@ -113,6 +113,13 @@ def resume_source(cfg, suffix: str = "") -> Optional[ResumeSource]:
             return ResumeSource(last)
         except UnreadableCheckpointError as error:
             return _fallback_for(last, cfg.save_dir, suffix, str(error))
+    # fairseq writes a save's first file and copies it to checkpoint_last.pt afterwards: a run
+    # killed in between has its checkpoints but no checkpoint_last.pt, and would start again
+    # from scratch and overwrite them.
+    earlier = newest_intact_checkpoint(cfg.save_dir, suffix) if os.path.isdir(cfg.save_dir) else None
+    if earlier is not None:
+        reason = f"{last} does not exist (a run stopped while saving its first checkpoint?)"
+        return ResumeSource(earlier, unreadable=last, reason=reason)
     continue_once = getattr(cfg, "continue_once", None)
     if continue_once:
         if not os.path.isfile(continue_once):
@@ -154,10 +161,15 @@ def with_restore_file(cfg, source: ResumeSource, suffix: str = ""):
 
 
 def log_fallback(source: ResumeSource) -> None:
+    kept = (
+        f" {source.unreadable} is left as it is until this run's next save replaces it: copy "
+        "it elsewhere now if you want to inspect it."
+        if os.path.exists(source.unreadable)
+        else ""
+    )
     logger.warning(
         f"{source.reason}. Resuming from {source.path} instead, the newest intact checkpoint "
-        f"in its folder. {source.unreadable} is left as it is until this run's next save "
-        "replaces it: copy it elsewhere now if you want to inspect it."
+        f"in its folder.{kept}"
     )
 
 

@@ -120,6 +120,23 @@ def test_truncated_checkpoint_last_falls_back_to_the_newest_intact(tiny_data, tm
     assert stored_updates(last) == 3
 
 
+def test_a_run_killed_before_its_first_checkpoint_last_resumes_from_its_checkpoint(
+    tiny_data, tmp_path
+):
+    train_tiny(tiny_data, tmp_path, "--save-interval-updates", 1, max_update=2)
+    earlier = tmp_path / "checkpoint_1_2.pt"
+    for path in glob.glob(str(tmp_path / "checkpoint*.pt")):
+        if path != str(earlier):  # as if killed right after the first file of the save at 2
+            os.unlink(path)
+    before = earlier.read_bytes()
+    resumed = train_tiny(tiny_data, tmp_path, "--save-interval-updates", 1, max_update=3)
+    log = log_of(resumed)
+    assert "checkpoint_last.pt does not exist" in log and f"Resuming from {earlier}" in log
+    assert "@ 2 updates" in log  # fairseq loaded it: not a run from scratch
+    assert stored_updates(tmp_path / "checkpoint_last.pt") == 3
+    assert earlier.read_bytes() == before
+
+
 def test_no_intact_checkpoint_is_a_clear_error(tiny_data, tmp_path):
     train_tiny(tiny_data, tmp_path, max_update=1)
     for path in glob.glob(str(tmp_path / "checkpoint*.pt")):
