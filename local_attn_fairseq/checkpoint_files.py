@@ -115,8 +115,14 @@ def resume_source(cfg, suffix: str = "") -> Optional[ResumeSource]:
             return _fallback_for(last, cfg.save_dir, suffix, str(error))
     # fairseq writes a save's first file and copies it to checkpoint_last.pt afterwards: a run
     # killed in between has its checkpoints but no checkpoint_last.pt, and would start again
-    # from scratch and overwrite them.
-    earlier = newest_intact_checkpoint(cfg.save_dir, suffix) if os.path.isdir(cfg.save_dir) else None
+    # from scratch and overwrite them. (A run with --no-last-checkpoints never resumes: fairseq
+    # starts it again, and so does this.)
+    writes_last = not getattr(cfg, "no_last_checkpoints", False)
+    earlier = (
+        newest_intact_checkpoint(cfg.save_dir, suffix)
+        if writes_last and os.path.isdir(cfg.save_dir)
+        else None
+    )
     if earlier is not None:
         reason = f"{last} does not exist (a run stopped while saving its first checkpoint?)"
         return ResumeSource(earlier, unreadable=last, reason=reason)

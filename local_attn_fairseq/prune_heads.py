@@ -11,6 +11,7 @@ import os
 import sys
 
 from .checkpoint_files import UnreadableCheckpointError, read_checkpoint
+from .file_safety import refuse_same_file
 from .modules.head_pruning import heads_table, prune_checkpoint
 
 PROG = "prune_heads.py"
@@ -34,13 +35,15 @@ def build_parser(description=None):
 
 
 def check_paths(checkpoint, output, overwrite=False):
-    """Raise PruneInputError unless `checkpoint` is a readable checkpoint and `output` may be
-    written. Only a file the user asked to replace is ever replaced: the tool cannot tell its
-    own earlier output from the user's file of the same name."""
+    """Raise PruneInputError (ValueError for an output that is the input) unless `checkpoint`
+    is a readable checkpoint and `output` may be written. Only a file the user asked to replace
+    is ever replaced: the tool cannot tell its own earlier output from the user's file of the
+    same name."""
     if not os.path.exists(checkpoint):
         raise PruneInputError(f"{checkpoint}: no such checkpoint file")
     if not os.path.isfile(checkpoint):
         raise PruneInputError(f"{checkpoint}: not a file")
+    refuse_same_file(checkpoint, output)  # before reading it: the first mistake to name
     if os.path.getsize(checkpoint) == 0:
         raise PruneInputError(f"{checkpoint}: the file is empty, not a checkpoint")
     if os.path.isdir(output):
