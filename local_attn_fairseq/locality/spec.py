@@ -35,7 +35,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
@@ -639,6 +639,89 @@ class LocalitySpec:
         if rel["max_distance"] is None or attn_type not in rel["attention"]:
             return None
         return rel["max_distance"]
+
+    def keep_layers(self, kept: Mapping[str, Sequence[int]], origin: str) -> "LocalitySpec":
+        """The spec of a model cut down to some layers, as fairseq's ``*_layers_to_keep`` does.
+
+        ``kept`` maps attention types to the original indices of the layers that stay, which
+        fairseq renumbers 0, 1, ... in order. Each kept layer keeps its heads, their mechanisms,
+        their kept heads and their ties (renumbered); a tie to a removed layer is refused,
+        since the Wq/Wk it uses are gone with that layer. ``origin`` names the setting in
+        messages.
+        """
+        config = json.loads(self.to_json())
+        num_layers = dict(self.num_layers)
+        renumbered = {}
+        for attn_type, layers in kept.items():
+            layers = self._check_kept_layers(attn_type, layers, origin)
+            new_index = {old: new for new, old in enumerate(layers)}
+            renumbered[attn_type] = new_index
+            explicit = {}
+            for old in layers:
+                if old not in self._layers[attn_type]:
+                    continue
+                tokens = []
+                for h, head in enumerate(self._layers[attn_type][old]):
+                    if head.qk_owner is not None:
+                        owner_layer, owner_head = head.qk_owner
+                        if owner_layer not in new_index:
+                            raise LocalitySpecError(
+                                f"{origin}: {attn_type} layer {old} head {h} uses the Wq/Wk of "
+                                f"layer {owner_layer} head {owner_head}, which would be removed; "
+                                f"keep layer {owner_layer} as well"
+                            )
+                        head = head.replace(qk_owner=(new_index[owner_layer], owner_head))
+                    tokens.append(head.token)
+                explicit[str(new_index[old])] = tokens
+            config[attn_type] = explicit
+            # Layer-wide settings are already in the explicit heads; keep them, renumbered, so
+            # that an arch's defaults ("unless the spec names this type") still see them.
+            for key in ("localness", "dynamic_window"):
+                by_type = (config.get(key) or {}).get("layers") or {}
+                if attn_type in by_type:
+                    self._renumber_layer_setting(key, by_type, attn_type, new_index)
+            if attn_type in self._kept:
+                config["heads_kept"][attn_type] = [list(self._kept[attn_type][i]) for i in layers]
+            num_layers[attn_type] = len(layers)
+        spec = LocalitySpec(config, num_layers, self.num_heads)
+        for attn_type, new_index in renumbered.items():
+            for old, new in new_index.items():
+                lost = set(self.qk_rows(attn_type, old)) - set(spec.qk_rows(attn_type, new))
+                if lost:
+                    raise LocalitySpecError(
+                        f"{origin}: {attn_type} layer {old} holds the Wq/Wk of pruned heads "
+                        f"{sorted(lost)} for layers that would be removed; keep those layers too"
+                    )
+        return spec
+
+    def _check_kept_layers(self, attn_type, layers, origin) -> List[int]:
+        n_layers = self.num_layers[attn_type]
+        layers = list(layers)
+        if not layers:
+            raise LocalitySpecError(f"{origin}: keeps no layer; keep at least one")
+        if len(set(layers)) != len(layers):
+            raise LocalitySpecError(f"{origin}: names a layer more than once ({layers})")
+        for layer in layers:
+            if not 0 <= layer < n_layers:
+                raise LocalitySpecError(
+                    f"{origin}: layer {layer} does not exist; the model has {n_layers} "
+                    f"{attn_type} layers (numbered 0-{n_layers - 1})"
+                )
+        return sorted(layers)
+
+    def _renumber_layer_setting(self, key, by_type, attn_type, new_index):
+        """One ``localness.layers`` / ``dynamic_window.layers`` entry, for the kept layers."""
+        value = str(by_type[attn_type])
+        prefix, selector = ("", value)
+        if key == "dynamic_window":
+            method, _, selector = value.partition(":")
+            prefix = method + ":"
+        old_layers = _layer_indices(selector, self.num_layers[attn_type], f"{key} layers")
+        kept = [str(new_index[old]) for old in old_layers if old in new_index]
+        if kept:
+            by_type[attn_type] = prefix + ",".join(kept)
+        else:
+            del by_type[attn_type]
 
     def to_json(self) -> str:
         """The canonical form stored in checkpoints: rebuilding from it gives the same spec."""

@@ -26,6 +26,62 @@ def locality_spec_for_attention(cfg, num_layers: dict, num_heads: dict, model_na
         ) from None
 
 
+# fairseq's LayerDrop pruning options: the attention types each one cuts, and the layer count
+# it sets (as fairseq's own models do when they build the shorter stack).
+LAYERS_TO_KEEP_OPTIONS = {
+    "encoder_layers_to_keep": (("encoder_self",), "encoder_layers"),
+    "decoder_layers_to_keep": (("decoder_self", "decoder_cross"), "decoder_layers"),
+}
+# Command-line settings that address layers by number; a cut-down spec holds their effect.
+LAYER_ADDRESSED_OPTIONS = ("localness_layers", "dynamic_window", "heads_kept")
+
+
+def keep_layers_of_spec(args, spec: LocalitySpec) -> LocalitySpec:
+    """The spec of the layers that ``--*-layers-to-keep`` (usually given at load time through
+    ``--model-overrides``) leaves, written back to ``args.locality_config``.
+
+    fairseq then builds the shorter stack and renames the checkpoint's layers to match; the spec
+    must follow, so each kept layer keeps its own heads and ties. A spec that already describes
+    the shorter stack (a model rebuilt from its own arguments) is left as it is.
+    """
+    kept, counts, given = {}, {}, []
+    for option, (attn_types, count) in LAYERS_TO_KEEP_OPTIONS.items():
+        value = getattr(args, option, None)
+        present = [t for t in attn_types if t in spec.num_layers]
+        if not value or not present:
+            continue
+        # A string through --model-overrides; a list of ints from the command line, which
+        # fairseq's own code (it splits on commas) takes only as a string.
+        items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+        try:
+            layers = [int(x) for x in items]
+            setattr(args, option, ",".join(map(str, layers)))
+        except (TypeError, ValueError):
+            raise LocalitySpecError(
+                f"{option}={value!r}: expected comma-separated layer numbers, e.g. 0,2,4"
+            ) from None
+        if len(layers) == spec.num_layers[present[0]]:
+            continue
+        kept.update({t: layers for t in present})
+        counts[count] = len(layers)
+        given.append(f"{option}={getattr(args, option)}")
+    if not kept:
+        return spec
+    spec = spec.keep_layers(kept, ", ".join(given))
+    # fairseq's prune_state_dict drops every layer of a stack it has no list for: the other
+    # stack of an encoder-decoder model is kept whole by naming all of its layers.
+    for option, (attn_types, _) in LAYERS_TO_KEEP_OPTIONS.items():
+        if attn_types[0] in spec.num_layers and not getattr(args, option, None):
+            setattr(args, option, ",".join(map(str, range(spec.num_layers[attn_types[0]]))))
+    args.locality_config = spec.to_json()
+    for count, value in counts.items():
+        setattr(args, count, value)
+    for option in LAYER_ADDRESSED_OPTIONS:
+        if hasattr(args, option):
+            setattr(args, option, None)
+    return spec
+
+
 def _check_relative_position_types(config: dict, num_layers: dict):
     """Relative positions default to both self-attention types, so the spec ignores a missing
     one; a type the user names explicitly must exist, or the setting would silently vanish."""

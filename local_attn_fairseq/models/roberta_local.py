@@ -25,6 +25,7 @@ from .locality_options import (
     HeadGateQueries,
     add_locality_args,
     default_dynamic_window,
+    keep_layers_of_spec,
     locality_spec_for_attention,
 )
 from .precision_check import check_training_precision
@@ -71,7 +72,7 @@ class LocalRobertaModel(HeadGateQueries, RobertaModel):
         check_training_precision(args)
         use_stored_options_on_resume(cls, args)
         roberta_base_architecture(args)
-        spec = encoder_locality_spec(args)
+        spec = keep_layers_of_spec(args, encoder_locality_spec(args))
         args.locality_config = spec.to_json()
         logger.info(spec.describe())
         if not safe_hasattr(args, "max_positions"):

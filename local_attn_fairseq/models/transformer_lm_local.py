@@ -27,6 +27,7 @@ from .locality_options import (
     HeadGateQueries,
     add_locality_args,
     default_dynamic_window,
+    keep_layers_of_spec,
     first_layers,
     locality_spec_for_attention,
 )
@@ -65,7 +66,7 @@ class LocalTransformerLanguageModel(HeadGateQueries, TransformerLanguageModel):
         use_stored_options_on_resume(cls, args)
         base_lm_architecture(args)
         _reject_unsupported_inputs(args)
-        spec = lm_locality_spec(args)
+        spec = keep_layers_of_spec(args, lm_locality_spec(args))
         args.locality_config = spec.to_json()
         logger.info(spec.describe())
         if safe_getattr(args, "max_target_positions", None) is None:

@@ -19,6 +19,7 @@ from .locality_options import (
     HeadGateQueries,
     add_locality_args,
     default_dynamic_window,
+    keep_layers_of_spec,
     first_layers,
     locality_spec_for_attention,
 )
@@ -78,7 +79,7 @@ class LocalTransformerModel(HeadGateQueries, TransformerModel):
         check_training_precision(args)
         use_stored_options_on_resume(cls, args)
         base_architecture(args)
-        spec = locality_spec_from_cfg(args)
+        spec = keep_layers_of_spec(args, locality_spec_from_cfg(args))
         args.locality_config = spec.to_json()
         logger.info(spec.describe())
         model = super().build_model(args, task)

@@ -92,7 +92,9 @@ def _unwrap(layer):
 
 
 def bind_tied_projections(layers, attribute):
-    attention = [getattr(_unwrap(layer), attribute) for layer in layers]
+    # Index, never iterate: iterating fairseq's LayerDropModuleList in training mode (as it is
+    # right after construction) skips layers at random and draws from the global RNG.
+    attention = [getattr(_unwrap(layers[i]), attribute) for i in range(len(layers))]
     for module in attention:
         module.bind_qk_owners(attention)
 
@@ -102,8 +104,6 @@ class LocalTransformerEncoder(TransformerEncoderBase):
         self.locality = locality
         self._layers_built = 0
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
-        if cfg.encoder.layers_to_keep:
-            raise ValueError("--encoder-layers-to-keep is not supported with local attention")
         bind_tied_projections(self.layers, "self_attn")
 
     def build_encoder_layer(self, cfg):
@@ -143,8 +143,6 @@ class LocalTransformerDecoder(TransformerDecoderBase):
             no_encoder_attn=no_encoder_attn,
             output_projection=output_projection,
         )
-        if cfg.decoder.layers_to_keep:
-            raise ValueError("--decoder-layers-to-keep is not supported with local attention")
         bind_tied_projections(self.layers, "self_attn")
         if not no_encoder_attn:
             bind_tied_projections(self.layers, "encoder_attn")

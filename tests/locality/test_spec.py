@@ -187,3 +187,69 @@ def test_duplicate_yaml_keys_are_named_with_their_lines(tmp_path):
         spec(str(path))
     with pytest.raises(LocalitySpecError, match="duplicate key 'encoder_self' on line 1"):
         spec("{encoder_self: {all: [global]}, encoder_self: {0: [global]}}")
+
+
+# -- keep_layers: the spec of a model cut down by fairseq's *_layers_to_keep --------------------
+
+
+def test_kept_layers_keep_their_heads_with_layer_wide_settings_and_ties_renumbered():
+    s = LocalitySpec(
+        {
+            "encoder_self": {
+                "3": ["band-1"] + ["global"] * 7,
+                "4": ["global@3.0"] + ["prev-1"] * 7,
+            },
+            "localness": {"layers": {"encoder_self": "1-2,4"}},
+            "dynamic_window": {"layers": {"encoder_self": "aw-seg:0,5"}},
+            "heads_kept": {"encoder_self": [8, 8, 8, [0, 1], 8, 2]},
+        },
+        LAYERS,
+        HEADS,
+    )
+    kept = s.keep_layers({"encoder_self": [5, 1, 3, 4]}, "encoder_layers_to_keep=1,3,4,5")
+    assert kept.num_layers["encoder_self"] == 4
+    for new, old in enumerate([1, 3, 4, 5]):
+        old_heads = s.heads("encoder_self", old)
+        new_heads = kept.heads("encoder_self", new)
+        assert [(h.mask, h.gaussian, h.window, h.segment) for h in new_heads] == [
+            (h.mask, h.gaussian, h.window, h.segment) for h in old_heads
+        ]
+        assert kept.kept_heads("encoder_self", new) == s.kept_heads("encoder_self", old)
+    assert owners(kept, 1) == [None] * 8 and owners(kept, 2)[0] == (1, 0)
+    assert kept.config["localness"]["layers"] == {"encoder_self": "0,2"}
+    assert kept.config["dynamic_window"]["layers"] == {"encoder_self": "aw-seg:3"}
+    assert kept.heads("decoder_self", 0) == s.heads("decoder_self", 0)
+    # the stored form rebuilds the same spec
+    again = LocalitySpec(json.loads(kept.to_json()), {**LAYERS, "encoder_self": 4}, HEADS)
+    assert [again.heads("encoder_self", i) for i in range(4)] == [
+        kept.heads("encoder_self", i) for i in range(4)
+    ]
+
+
+def test_keeping_a_borrower_without_its_owner_is_refused_naming_the_tie():
+    s = spec("half-tied")
+    with pytest.raises(LocalitySpecError, match="layer 1 head 0 uses the Wq/Wk of layer 0 head 0"):
+        s.keep_layers({"encoder_self": [1, 2, 3]}, "encoder_layers_to_keep=1,2,3")
+    assert owners(s.keep_layers({"encoder_self": [0, 2]}, "x"), 1)[0] == (0, 0)
+
+
+def test_a_layer_holding_wq_wk_of_pruned_heads_for_removed_layers_is_refused():
+    # layer 0's head 1 is pruned but its Wq/Wk stay for layer 1, which borrows them
+    s = spec(
+        {
+            "encoder_self": {"1": ["global@0.1"] + ["global"] * 7},
+            "heads_kept": {"encoder_self": [[0], 8, 8, 8, 8, 8]},
+        }
+    )
+    assert s.qk_rows("encoder_self", 0) == (0, 1)
+    with pytest.raises(LocalitySpecError, match=r"layer 0 holds the Wq/Wk of pruned heads \[1\]"):
+        s.keep_layers({"encoder_self": [0, 2]}, "encoder_layers_to_keep=0,2")
+
+
+@pytest.mark.parametrize(
+    "layers, message",
+    [([], "keeps no layer"), ([0, 0], "more than once"), ([6], "layer 6 does not exist")],
+)
+def test_kept_layers_are_checked(layers, message):
+    with pytest.raises(LocalitySpecError, match=message):
+        spec({}).keep_layers({"encoder_self": layers}, "encoder_layers_to_keep")
