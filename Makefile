@@ -1,5 +1,6 @@
 # The two entry points of the README; each sets everything up on first use.
-#   make demo   real-data demo: Ding de-en, baseline vs transformer_local_tied, one results table
+#   make demo   real-data demo: Bible en-es, baseline vs transformer_local_tied, one results table
+#               (make demo DEMO_ARGS="--corpus ding-de-en": the same on short Ding de-en sentences)
 #   make demo-speech   speech translation: synthetic MuST-C, windows from contributions, WER/BLEU
 #   make test   the test suite (what CI runs)
 VENV ?= $(if $(LOCAL_ATTN_VENV),$(LOCAL_ATTN_VENV),$(CURDIR)/.venv)

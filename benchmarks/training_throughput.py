@@ -203,7 +203,7 @@ def main():
         options += ["--max-tokens", str(args.max_tokens)]
 
     data_dir = demo.data_dir_for(os.path.abspath(args.work_dir), demo.DEFAULT_VOCAB_SIZE)
-    bin_dir = demo.prepare_data(data_dir, demo.DEFAULT_VOCAB_SIZE)
+    bin_dir = demo.prepare_data(data_dir, demo.DING_CORPUS, demo.DEFAULT_VOCAB_SIZE)
 
     torch.manual_seed(1)
     plugin = demo.MODELS[0][2]

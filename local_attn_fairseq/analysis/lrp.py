@@ -18,8 +18,9 @@ relevance among the inputs in proportion to their contributions:
 
 * ``rule="ratio"``: Ding's weight ratio ``z_u / sum_u' z_u'``, signed, the denominator moved
   away from 0 by ``eps``. Where positive and negative contributions nearly cancel, the shares
-  explode: on a trained model (the README's demo) relevance grows by orders of magnitude
-  through a few layers and head relevance averages to noise, so this rule is not the default;
+  explode: on a trained model (a demo model of the Ding corpus) relevance grows by orders of
+  magnitude through a few layers and head relevance averages to noise, so this rule is not the
+  default;
 * ``rule="alpha-beta"`` (default, the rule of Voita et al.'s released implementation): the
   weight ratio applied to the positive and the negative contributions separately,
   ``alpha * z_u+ / sum z+  +  (1 - alpha) * z_u- / sum z-`` (``alpha = 0.5``; when one sign is

@@ -1,6 +1,7 @@
-"""Pruning encoder heads on the demo data, Voita et al.'s procedure (Section 6.2) end to end.
+"""Pruning encoder heads on the Ding demo's data: Voita et al.'s procedure (Section 6.2).
 
-1. the demo's baseline Transformer (8 heads x 6 encoder layers = 48 heads; trained if missing);
+1. the Ding demo's baseline Transformer (8 heads x 6 encoder layers = 48 heads; trained if
+   missing);
 2. for every lambda: fine-tune it with Hard Concrete gates on the encoder heads and the L0
    criterion, the decoder fixed (``--head-gates enc --freeze-decoder``), two runs side by side;
 3. prune the closed heads out of the checkpoint (as ``scripts/prune_heads.py`` does);
@@ -28,7 +29,8 @@ SIDE_BY_SIDE = len(demo.MODELS)
 
 
 def train_baseline(bin_dir, work, epochs):
-    """The demo's baseline Transformer (the one ``make demo`` trains, reused when it has)."""
+    """The Ding demo's baseline Transformer (the one ``make demo DEMO_ARGS="--corpus ding-de-en"``
+    trains, reused when it has)."""
     label, arch, extra = demo.MODELS[0]
     job = demo.training_job(
         label, bin_dir, ["--arch", arch, *extra, *demo.MODEL_DIMS, *demo.SCHEDULE], epochs,
@@ -79,9 +81,8 @@ def parse_args(argv):
 def run_demo(args):
     started = time.time()
     work = os.path.abspath(args.work_dir)
-    bin_dir = demo.prepare_data(
-        demo.data_dir_for(work, args.vocab_size, args.max_train), args.vocab_size, args.max_train
-    )
+    data_dir = demo.data_dir_for(work, args.vocab_size, args.max_train)
+    bin_dir = demo.prepare_data(data_dir, demo.DING_CORPUS, args.vocab_size, args.max_train)
     baseline = train_baseline(bin_dir, work, args.epochs)
     out_dir = os.path.join(work, "pruning")
     os.makedirs(out_dir, exist_ok=True)

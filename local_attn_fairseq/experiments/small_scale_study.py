@@ -29,7 +29,7 @@ repository.
 
 Budget of the full study (defaults: 6 models x 3 seeds x 2 corpora = 36 runs, --jobs 2 on this
 2-core machine), about 8 hours. Measured training speed of one run with two side by side: Ding
-3,906 target words/s at ~620 per update (the README's demo table): 0.16 s per update; Bible
+3,906 target words/s at ~620 per update (the Ding demo, docs/demo.md): 0.16 s per update; Bible
 ~3,700 words/s at ~770 per update (the Bible demo): 0.21 s per update. With 30% more for the
 validations, decoding, start-up and the slower dynamic-window model (0.74x the baseline's
 words/s), the caps give at most
@@ -166,7 +166,7 @@ def prepare(corpus, work, args, max_train):
     if args.test_size:
         data_dir = f"{data_dir}_test{args.test_size}"
         os.makedirs(data_dir, exist_ok=True)
-    bin_dir = demo.prepare_data(data_dir, args.vocab_size, max_train, args.test_size, corpus)
+    bin_dir = demo.prepare_data(data_dir, corpus, args.vocab_size, max_train, args.test_size)
     src, tgt, _, description, _ = demo.CORPORA[corpus]
     counts = {}
     for split in ("train", "test"):

@@ -18,19 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
+    """``make demo``'s command with its default corpus, the Bible, on a slice of it."""
     work = tmp_path / "demo"
-    cmd = [
-        sys.executable,
-        os.path.join(REPO, "scripts", "demo.py"),
-        "--work-dir",
-        work,
-        "--epochs",
-        "1",
-        "--max-train",
-        "1500",
-        "--vocab-size",
-        "1000",
-    ]
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "demo.py"), "--work-dir", work]
+    cmd += ["--epochs", "1", "--max-train", "1500", "--test-size", "200", "--vocab-size", "1000"]
     out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # not a terminal: plain progress lines (no bar), the last one of each model says done
@@ -41,10 +32,13 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
             re.M,
         ), out.stdout[-3000:]
     assert "\r" not in out.stdout
+    assert "Bible en-es (WEB / Reina-Valera 1909) test (200 sentences), 1 epochs" in out.stdout
     table = out.stdout[out.stdout.index("| model |") :]
     assert re.search(r"\| transformer \(baseline\) \| 0\.\d+M \| [\d.]+ \| \d+ \|", table)
     assert re.search(r"\| transformer_local_tied \| 0\.\d+M \| [\d.]+ \| \d+ \|", table)
-    rows = json.loads((work / "results.json").read_text())["rows"]
+    results = json.loads((work / "bible-en-es" / "results.json").read_text())
+    assert results["corpus"] == "bible-en-es"
+    rows = results["rows"]
     base, tied = rows
     assert tied["encoder_attention_params"] < base["encoder_attention_params"]
     assert all(r["train_words_per_s"] > 0 for r in rows)
