@@ -103,6 +103,7 @@ setup(
         "torchaudio",
         "pyyaml",
         "sacrebleu",
+        "sacremoses",
         "sentencepiece",
         "soundfile",
         "matplotlib",

@@ -81,6 +81,7 @@ import importlib
 import sys
 for name in ["fairseq.libbleu", "fairseq.data.data_utils_fast", "fairseq.data.token_block_utils_fast",
              "fairseq.libbase", "fairseq.libnat", "alignment_train_cpu_binding",
+             "sacremoses",  # the recipes' tokenised BLEU needs Moses' tokeniser
              *sys.argv[1].split(", ")]:
     importlib.import_module(name)
 PY

@@ -13,7 +13,8 @@ segment (``offset``/``duration`` in seconds inside its talk wav) and writes into
 * ``<split>_asr.tsv`` / ``<split>_st.tsv``: manifests ``id audio n_frames tgt_text speaker``,
   with the English transcript (ASR) or the LANG translation (ST) as target;
 * ``spm_<type><size>_{asr,st}.{model,txt}``: sentencepiece vocabularies trained on the training
-  targets, with fairseq's special-symbol ids;
+  targets, with fairseq's special-symbol ids (``--vocab-size``, or a size per task:
+  ``--asr-vocab-size 5000 --st-vocab-size 8000`` as fairseq's MuST-C example);
 * ``config_{asr,st}.yaml``: the data configs (``--config-yaml``), with utterance or global CMVN
   (``gcmvn.npz``) and an optional SpecAugment policy for training.
 
@@ -430,8 +431,13 @@ def zip_name(args):
     return "fbank80.zip" if args.audio_format == "fbank" else "wav16k.zip"
 
 
+def task_vocab_size(args, task):
+    """The task's own size (--asr-vocab-size, --st-vocab-size), else --vocab-size."""
+    return getattr(args, f"{task}_vocab_size", None) or args.vocab_size
+
+
 def spm_prefix(out_dir, args, task):
-    size_name = "" if args.vocab_type == "char" else str(args.vocab_size)
+    size_name = "" if args.vocab_type == "char" else str(task_vocab_size(args, task))
     return os.path.join(out_dir, f"spm_{args.vocab_type}{size_name}_{task}")
 
 
@@ -575,7 +581,7 @@ def prepare(args):
     for task in args.tasks:
         prefix = spm_prefix(out_dir, args, task)
         texts = [row["tgt_text"] for row in manifests[task, "train"]]
-        size = train_vocabulary(texts, prefix, args.vocab_type, args.vocab_size)
+        size = train_vocabulary(texts, prefix, args.vocab_type, task_vocab_size(args, task))
         config = data_config(prefix, args.cmvn, args.specaugment, args.waveform_input)
         write_yaml(os.path.join(out_dir, f"config_{task}.yaml"), config)
         counts = ", ".join(f"{split} {len(manifests[task, split])}" for split in splits)
@@ -604,6 +610,13 @@ def build_parser():
         default=8000,
         help="largest vocabulary (smaller corpora get less)",
     )
+    for task, example in (("asr", 5000), ("st", 8000)):
+        parser.add_argument(
+            f"--{task}-vocab-size",
+            type=positive_int,
+            help=f"the {task.upper()} vocabulary's own size (default: --vocab-size; fairseq's "
+            f"MuST-C example uses {example})",
+        )
     parser.add_argument("--cmvn", choices=("utterance", "global"), default="utterance")
     parser.add_argument(
         "--gcmvn-max-num",

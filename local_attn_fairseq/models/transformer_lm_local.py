@@ -59,12 +59,21 @@ class LocalTransformerLanguageModel(HeadGateQueries, TransformerLanguageModel):
     def add_args(cls, parser):
         gen_parser_from_dataclass(parser, TransformerLanguageModelConfig(), delete_default=True)
         add_locality_args(parser)
+        parser.add_argument(
+            "--decoder-post-norm",
+            action="store_true",
+            help="layer norm after each sub-layer, as in Vaswani et al.'s Transformer (fairseq's "
+            "LM architectures are always pre-norm, whatever --decoder-normalize-before says)",
+        )
 
     @classmethod
     def build_model(cls, args, task):
         check_training_precision(args)
         use_stored_options_on_resume(cls, args)
         base_lm_architecture(args)
+        if safe_getattr(args, "decoder_post_norm", False):
+            # after base_lm_architecture, which sets pre-norm unconditionally
+            args.decoder_normalize_before = False
         _reject_unsupported_inputs(args)
         spec = keep_layers_of_spec(args, lm_locality_spec(args))
         args.locality_config = spec.to_json()

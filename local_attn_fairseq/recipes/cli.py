@@ -33,6 +33,9 @@ def list_rows(recipe):
         paper = ", ".join(f"{k} {v}" for k, v in (row.get("paper") or {}).items())
         mark = "  [not runnable: see --row]" if row.get("unsupported") else ""
         print(f"  {name!r:48s} {row.get('table', ''):28s} paper: {paper}{mark}")
+    lines = rc.settings_not_from_paper(recipe.get("chosen"), recipe.get("departures"))
+    if lines:
+        print("\n".join(["", *lines, "| (a row may add its own: see the row's --dry-run)"]))
 
 
 def claim_work_dir(work_dir, overwrite):

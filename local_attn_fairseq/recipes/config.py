@@ -4,7 +4,9 @@ a row trains with, as command-line tokens (nothing here imports fairseq).
 A recipe file holds ``paper``, ``kind`` (translation, language_model or speech), ``data`` (a key
 of ``datasets.yaml``, or a speech data description), ``prepare``, ``train`` (``arch``,
 ``tokens_per_batch``, ``max_tokens_per_gpu``, ``args``: fairseq-train options), ``average``,
-``evaluate`` and ``rows``. A row may set ``arch``, ``args``, ``average``, ``evaluate`` (merged
+``evaluate``, ``chosen`` (each setting the paper leaves unstated: what the recipe chose, and
+from where), ``departures`` (where the recipe differs from what the paper states) and ``rows``.
+A row may set ``arch``, ``args``, ``average``, ``evaluate``, ``chosen``, ``departures`` (merged
 over the recipe's), ``paper`` (the numbers the paper reports), ``table``, ``base_row`` + ``init``
 (start from another row's averaged model), ``prune``, ``heads_kept_from_row`` and
 ``unsupported`` (the row is listed but refused, with that reason). ``extends: OTHER`` merges the
@@ -155,7 +157,50 @@ def get_row(recipe, name):
         "prune": bool(row.get("prune")),
         "heads_kept_from_row": row.get("heads_kept_from_row"),
         "data": row.get("data"),
+        "chosen": deep_merge(recipe.get("chosen", {}), row.get("chosen", {})),
+        "departures": deep_merge(recipe.get("departures", {}), row.get("departures", {})),
     }
+
+
+def settings_not_from_paper(chosen, departures):
+    """Lines naming each setting the paper leaves unstated with the recipe's choice, then each
+    place where the recipe departs from what the paper states."""
+    lines = []
+    for title, entries in (("chosen, not from the paper", chosen),
+                           ("departs from the paper", departures)):  # fmt: skip
+        if entries:
+            lines.append(f"| {title}:")
+            lines += [f"|   {name}: {' '.join(str(t).split())}" for name, t in entries.items()]
+    return lines
+
+
+def recipes_by_paper():
+    """{paper: [recipe names]}, in the order of recipe_names()."""
+    papers = {}
+    for name in recipe_names():
+        papers.setdefault(load_recipe(name)["paper"], []).append(name)
+    return papers
+
+
+def settings_table(names, key):
+    """The markdown table of one paper's ``chosen`` (or ``departures``) settings over its recipes
+    ``names``, as docs/reproduction.md carries it: one line per distinct entry, with the recipes
+    it applies to when the paper has several."""
+    entries = {}
+    for name in names:
+        for setting, text in (load_recipe(name).get(key) or {}).items():
+            cell = " ".join(str(text).split()).replace("|", "\\|")
+            entries.setdefault((setting, cell), []).append(name)
+    if not entries:
+        return ""
+    several = len(names) > 1
+    second = "the recipe's choice" if key == "chosen" else "the paper, and the recipe"
+    lines = [f"| setting | {second} |" + (" recipes |" if several else "")]
+    lines.append("|---|---|" + ("---|" if several else ""))
+    for (setting, cell), users in entries.items():
+        where = "all" if len(users) == len(names) else ", ".join(f"`{u}`" for u in users)
+        lines.append(f"| {setting} | {cell} |" + (f" {where} |" if several else ""))
+    return "\n".join(lines)
 
 
 def with_settings(recipe, profile=None, overrides=()):
@@ -174,11 +219,22 @@ def with_settings(recipe, profile=None, overrides=()):
     return recipe
 
 
-def update_freq(tokens_per_batch, max_tokens_per_gpu, gpus):
-    """Gradient accumulation steps that give the paper's tokens per update on ``gpus`` GPUs."""
-    if gpus < 1 or max_tokens_per_gpu < 1:
-        raise RecipeError(f"--gpus ({gpus}) and max_tokens_per_gpu must be at least 1")
-    return max(1, math.ceil(tokens_per_batch / (max_tokens_per_gpu * gpus)))
+def batch_plan(tokens_per_batch, max_tokens_per_gpu, gpus):
+    """(--max-tokens, --update-freq) that give the paper's tokens per update on ``gpus`` GPUs.
+
+    Gradients are accumulated over as few batches as fit (``max_tokens_per_gpu`` is the most a
+    GPU holds), and each batch is then cut to ``tokens_per_batch / (gpus x update-freq)``: on
+    more GPUs than the paper's batch needs, the batches shrink instead of the update growing, so
+    max-tokens x update-freq x GPUs is the paper's batch on any GPU count.
+    """
+    if gpus < 1 or max_tokens_per_gpu < 1 or tokens_per_batch < 1:
+        raise RecipeError(
+            f"--gpus ({gpus}), tokens_per_batch ({tokens_per_batch}) and max_tokens_per_gpu "
+            f"({max_tokens_per_gpu}) must be at least 1"
+        )
+    freq = math.ceil(tokens_per_batch / (max_tokens_per_gpu * gpus))
+    max_tokens = min(max_tokens_per_gpu, max(1, round(tokens_per_batch / (gpus * freq))))
+    return max_tokens, freq
 
 
 def options_to_argv(options):
@@ -199,18 +255,74 @@ def _format_value(value):
     return str(value)
 
 
-def data_name(recipe):
-    """The prepared data's directory name: recipes that prepare a corpus alike share it."""
+# The prepare stage's settings, per kind (a misspelt key would otherwise be ignored silently).
+TEXT_PREPARE_KEYS = (
+    "model_type", "vocab_size", "joint", "joined_dictionary", "spm_sentences",
+    "min_length", "max_length", "length_ratio",
+)  # fmt: skip
+SPEECH_PREPARE_KEYS = ("model_type", "vocab_size", "specaugment")
+SPEECH_TASKS = ("asr", "st")
+# fairseq's MuST-C example (examples/speech_to_text/docs/mustc_example.md): unigram
+# sentencepiece of 5,000 pieces for ASR and 8,000 for ST, and the LB SpecAugment policy that its
+# prep_mustc_data.py writes into both configs.
+SPEECH_DEFAULTS = {"model_type": "unigram", "vocab_size": {"asr": 5000, "st": 8000},
+                   "specaugment": "lb"}  # fmt: skip
+
+
+def prepare_settings(recipe):
+    """The recipe's prepare settings, checked against the keys its kind knows."""
+    prepare = dict(recipe.get("prepare") or {})
+    known = SPEECH_PREPARE_KEYS if recipe["kind"] == "speech" else TEXT_PREPARE_KEYS
+    unknown = sorted(set(prepare) - set(known))
+    if unknown:
+        raise RecipeError(
+            f"recipe {recipe['name']}: unknown prepare setting {', '.join(unknown)} "
+            f"(known: {', '.join(known)})"
+        )
     if recipe["kind"] == "speech":
-        return slug(f"{recipe['data']['name']}")
-    prepare = recipe.get("prepare", {})
+        prepare = {**SPEECH_DEFAULTS, **prepare}
+        prepare["vocab_size"] = speech_vocab_sizes(prepare["vocab_size"])
+    return prepare
+
+
+def speech_vocab_sizes(value):
+    """{asr: size, st: size} from one size for both tasks or a mapping per task."""
+    sizes = value if isinstance(value, dict) else {task: value for task in SPEECH_TASKS}
+    if set(sizes) != set(SPEECH_TASKS) or not all(
+        isinstance(n, int) and n > 0 for n in sizes.values()
+    ):
+        raise RecipeError(
+            f"prepare.vocab_size {value!r}: a positive size, or one per task {{asr: N, st: N}}"
+        )
+    return sizes
+
+
+def joined_dictionary(prepare):
+    """Whether fairseq-preprocess builds one dictionary for both sides. A joint sentencepiece
+    model implies one unless ``joined_dictionary: false`` asks for a dictionary per side (the
+    pieces each side uses, as a joint BPE with per-language vocabularies gives)."""
+    return bool(prepare.get("joint")) and prepare.get("joined_dictionary", True) is not False
+
+
+def data_name(recipe):
+    """The prepared data's directory name: recipes that prepare a corpus alike share it, and
+    data prepared otherwise (another vocabulary, filter or SpecAugment policy) is never reused."""
+    prepare = prepare_settings(recipe)
+    if recipe["kind"] == "speech":
+        sizes = prepare["vocab_size"]
+        vocab = " ".join(f"{t} {prepare['model_type']}{sizes[t]}" for t in SPEECH_TASKS)
+        return slug(f"{recipe['data']['name']} {vocab} specaugment {prepare['specaugment']}")
+    sharing = "separate"
+    if prepare.get("joint"):
+        sharing = "joint" if joined_dictionary(prepare) else "joint-spm"
     parts = [
         recipe["data"],
         f"{prepare.get('model_type', 'bpe')}{prepare.get('vocab_size', 32000)}",
-        "joint" if prepare.get("joint") else "separate",
+        sharing,
     ]
-    if prepare.get("max_length"):
-        parts.append(f"max{prepare['max_length']}")
+    for key, name in (("min_length", "min"), ("max_length", "max"), ("length_ratio", "ratio")):
+        if prepare.get(key):
+            parts.append(f"{name}{prepare[key]}")
     return "_".join(str(p) for p in parts)
 
 

@@ -3,7 +3,7 @@
 import os
 
 from . import averaging, evaluation, speech, text_preparation, training
-from .config import RecipeError, get_row
+from .config import RecipeError, get_row, settings_not_from_paper
 from .workspace import RecipeWorkspace
 
 
@@ -29,6 +29,10 @@ class RecipeRun(RecipeWorkspace):
         return evaluation.evaluate_row(self, row)
 
     def run_stage(self, stage, row):
+        print(f"| {self.recipe['name']} | {row['name']} ({row['table']})")
+        for line in settings_not_from_paper(row["chosen"], row["departures"]):
+            print(line)
+        print(flush=True)
         if stage in ("prepare", "all"):
             self.prepare()
         if stage in ("train", "all"):

@@ -29,6 +29,7 @@ def evaluate_row(run, row):
     subset = settings.get("subset", "test")
     if not run.dry_run and not os.path.exists(checkpoint):
         raise RecipeError(f"{checkpoint} does not exist: run the train and average stages first")
+    print(f"| reported as the paper's number: {headline_metric(run, row)} on {subset}", flush=True)
     if run.kind == "language_model":
         measured = evaluate_language_model(run, row, checkpoint, subset)
     elif run.kind == "speech":
@@ -74,14 +75,46 @@ def evaluate_translation(run, row, checkpoint, subset, settings):
         references = [line.rstrip("\n") for line in f]
     hyps, _ = scoring.read_generate_output(output, expected=len(references))
     measured = {"sacrebleu": scoring.sacrebleu_score(hyps, references)}
-    variants = settings.get("bleu", ["sacrebleu"])
+    variants = bleu_variants(settings)
     if "tokenized" in variants:
-        measured["tokenized_bleu"] = scoring.tokenized_bleu(hyps, references, target)
-        if measured["tokenized_bleu"] is None:
-            print("| tokenised BLEU needs Moses' tokeniser: pip install sacremoses")
+        options = tokenized_options(settings)
+        measured["tokenized_bleu"] = scoring.tokenized_bleu(hyps, references, target, **options)
     # "bleu" is the variant the paper reports (the first listed), beside its number
     measured["bleu"] = measured["tokenized_bleu" if variants[0] == "tokenized" else "sacrebleu"]
     return measured
+
+
+BLEU_VARIANTS = ("sacrebleu", "tokenized")
+
+
+def bleu_variants(settings):
+    """The BLEU variants a translation row reports, the paper's own first (the headline)."""
+    variants = settings.get("bleu", ["sacrebleu"])
+    unknown = [v for v in variants if v not in BLEU_VARIANTS]
+    if not variants or unknown:
+        raise RecipeError(f"evaluate.bleu {variants!r}: a list of {', '.join(BLEU_VARIANTS)}")
+    return variants
+
+
+def tokenized_options(settings):
+    return {
+        "compound_split": bool(settings.get("compound_split")),
+        "aggressive_dashes": bool(settings.get("aggressive_dashes")),
+    }
+
+
+def headline_metric(run, row):
+    """What the row's ``bleu`` (or ``wer``, ``perplexity``) is, in words, for the report."""
+    settings = row["evaluate"]
+    if run.kind == "language_model":
+        return "perplexity per sentencepiece token (fairseq-eval-lm)"
+    if run.kind == "speech":
+        if settings.get("metric") == "wer":
+            return "WER, lower-cased, without punctuation"
+        return "sacreBLEU (13a) of the ST output"
+    if bleu_variants(settings)[0] == "tokenized":
+        return scoring.tokenized_bleu_name(**tokenized_options(settings))
+    return "sacreBLEU (13a, detokenised)"
 
 
 def evaluate_speech(run, row, checkpoint, subset):
@@ -158,6 +191,9 @@ def report(run, row, subset, measured):
         "checkpoint": run.final_checkpoint(row),
         "measured": measured,
         "paper": row["paper"],
+        "headline": headline_metric(run, row),
+        "chosen_not_from_paper": row["chosen"],
+        "departures_from_paper": row["departures"],
     }
     path = os.path.join(run.row_dir(row["name"]), "results.json")
     atomic_write_text(path, json.dumps(results, indent=2))
@@ -167,5 +203,6 @@ def report(run, row, subset, measured):
         value = measured.get(key)
         shown = "-" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
         print(f"{key:26s} {shown:>14s} {str(row['paper'].get(key, '')):>16s}")
+    print(f"(bleu / wer / perplexity: {results['headline']})")
     print(f"(written to {path})")
     return results

@@ -6,6 +6,8 @@ import re
 
 import sacrebleu
 
+from .config import RecipeError
+
 _HYPOTHESIS = re.compile(r"^D-(\d+)\t[^\t]*\t(.*)$")
 _TARGET = re.compile(r"^T-(\d+)\t(.*)$")
 
@@ -30,26 +32,53 @@ def sacrebleu_score(hyps, refs):
     return round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
 
 
+# Ott et al. (2018) and Vaswani et al. (2017) split hyphenated compounds before scoring En-De
+# (tensor2tensor's get_ende_bleu.sh, fairseq's scripts/compound_split_bleu.sh): "a-b" is scored
+# as three tokens "a ##AT##-##AT## b". Applied after Moses' tokeniser, as those scripts do.
+_COMPOUND = re.compile(r"(\S)-(\S)")
+
+
 def moses_tokenizer(lang):
-    """Moses' tokeniser (sacremoses), or None when it is not installed."""
-    try:  # an optional dependency, not in the pinned stack
+    """Moses' tokeniser (sacremoses, in the pinned stack: see requirements.txt)."""
+    try:
         from sacremoses import MosesTokenizer
     except ImportError:
-        return None
+        raise RecipeError(
+            "tokenised BLEU needs Moses' tokeniser (sacremoses): run scripts/setup_env.sh, or "
+            "pip install -c constraints.txt sacremoses"
+        ) from None
     return MosesTokenizer(lang=lang)
 
 
-def tokenized_bleu(hyps, refs, lang):
-    """BLEU of Moses-tokenised, case-sensitive text (multi-bleu.perl's convention); None when
-    sacremoses is missing."""
+def split_compounds(line):
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+
+
+def tokenized_bleu(hyps, refs, lang, compound_split=False, aggressive_dashes=False):
+    """Case-sensitive BLEU of Moses-tokenised text (multi-bleu.perl's and fairseq-score's
+    convention). ``aggressive_dashes`` is Moses' ``-a`` (hyphens as ``@-@``), the tokenisation
+    of fairseq's WMT14 En-Fr data; ``compound_split`` the En-De compound splitting above."""
     tok = moses_tokenizer(lang)
-    if tok is None:
-        return None
 
     def split(lines):
-        return [tok.tokenize(line, escape=False, return_str=True) for line in lines]
+        out = [
+            tok.tokenize(line, escape=False, return_str=True,
+                         aggressive_dash_splits=aggressive_dashes)  # fmt: skip
+            for line in lines
+        ]
+        return [split_compounds(line) for line in out] if compound_split else out
 
     return round(sacrebleu.corpus_bleu(split(hyps), [split(refs)], tokenize="none").score, 2)
+
+
+def tokenized_bleu_name(compound_split=False, aggressive_dashes=False):
+    """How ``tokenized_bleu`` scored, for the report."""
+    name = "case-sensitive BLEU of Moses-tokenised text"
+    if aggressive_dashes:
+        name += " (hyphens split, Moses -a)"
+    if compound_split:
+        name += " with compound splitting (##AT##-##AT##)"
+    return name
 
 
 def word_error_rate(hyps, refs):

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from .config import RecipeError
+from .config import RecipeError, prepare_settings
 
 PREPARE_MODULE = "local_attn_fairseq.data.mustc"
 
@@ -21,14 +21,23 @@ def task_files(run, row):
     return tasks[row["data"]]
 
 
+def prepare_command(run):
+    """The preparation's command line: the recipe's vocabulary per task and SpecAugment policy
+    (written into config_asr.yaml and config_st.yaml, which the train stage reads)."""
+    data = run.recipe["data"]
+    settings = prepare_settings(run.recipe)
+    command = [sys.executable, "-m", PREPARE_MODULE, "--mustc-root", run.raw_dir or "MUSTC_ROOT"]
+    command += ["--lang", data["lang"], "--out-dir", run.data]
+    command += ["--vocab-type", settings["model_type"]]
+    command += ["--asr-vocab-size", settings["vocab_size"]["asr"]]
+    command += ["--st-vocab-size", settings["vocab_size"]["st"]]
+    command += ["--specaugment", settings["specaugment"]]
+    return [str(c) for c in command]
+
+
 def prepare_speech(run):
     data = run.recipe["data"]
-    command = [sys.executable, "-m", PREPARE_MODULE, "--mustc-root", run.raw_dir or "MUSTC_ROOT"]
-    settings = run.recipe.get("prepare", {})
-    command += ["--lang", data["lang"], "--out-dir", run.data]
-    command += ["--vocab-size", settings.get("vocab_size", 8000)]
-    command += ["--vocab-type", settings.get("model_type", "unigram")]
-    command = [str(c) for c in command]
+    command = prepare_command(run)
     print("$ " + " ".join(command), flush=True)
     if run.dry_run:
         return

@@ -10,7 +10,7 @@ import os
 from ..data.text import encode_file, has_binarised, preprocess_argv, train_sentencepiece
 from ..file_safety import replace_own_dir
 from . import corpora
-from .config import RecipeError, load_dataset
+from .config import RecipeError, joined_dictionary, load_dataset, prepare_settings
 from .workspace import WORK_DIR_OWNER
 
 # Lines sentencepiece samples from a big corpus to learn its model (its own sampling).
@@ -28,7 +28,7 @@ def raw_path(run, split, lang):
 def prepare_text(run):
     dataset = dataset_of(run)
     langs = corpora.languages(dataset)
-    settings = run.recipe.get("prepare", {})
+    settings = prepare_settings(run.recipe)
     raw, spm_dir = os.path.join(run.data, "raw"), os.path.join(run.data, "spm")
     if run.dry_run:
         print(f"| prepare: {run.recipe['data']} -> {raw} -> sentencepiece {settings} -> {run.bin}")
@@ -37,8 +37,8 @@ def prepare_text(run):
         corpora.assemble(dataset, run.raw_dir, os.path.join(run.data, "downloads"), raw)
         open(os.path.join(raw, ".complete"), "w").close()
     models = sentencepiece_models(langs, settings, raw, spm_dir)
-    encode_splits(langs, models, raw, spm_dir, settings.get("max_length"))
-    binarise(run, langs, spm_dir, settings.get("joint", False))
+    encode_splits(langs, models, raw, spm_dir, PairFilter.from_settings(settings))
+    binarise(run, langs, spm_dir, joined_dictionary(settings))
 
 
 def sentencepiece_models(langs, settings, raw, spm_dir):
@@ -62,36 +62,73 @@ def sentencepiece_models(langs, settings, raw, spm_dir):
     return models
 
 
-def encode_splits(langs, models, raw, spm_dir, max_length=None):
+def encode_splits(langs, models, raw, spm_dir, pair_filter=None):
     for split in corpora.SPLITS:
         outputs = [os.path.join(spm_dir, f"{split}.{lang}") for lang in langs]
         if all(os.path.exists(p) for p in outputs):
             continue
         for lang, out in zip(langs, outputs):
             encode_file(models[lang], os.path.join(raw, f"{split}.{lang}"), out + ".tmp")
-        if split == "train" and max_length:
-            drop_long_pairs([o + ".tmp" for o in outputs], int(max_length))
+        if split == "train" and pair_filter:
+            pair_filter.apply([o + ".tmp" for o in outputs])
         for out in outputs:
             os.replace(out + ".tmp", out)
 
 
-def drop_long_pairs(paths, max_length):
-    """Keep the training pairs whose every side has at most ``max_length`` pieces."""
-    columns = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            columns.append(f.readlines())
-    keep = [
-        i
-        for i, lines in enumerate(zip(*columns))
-        if all(len(x.split()) <= max_length for x in lines)
-    ]
-    if not keep:
-        raise RecipeError(f"prepare.max_length {max_length} leaves no training pair")
-    for path, lines in zip(paths, columns):
-        with open(path, "w", encoding="utf-8") as f:
-            f.writelines(lines[i] for i in keep)
-    print(f"| kept {len(keep)} of {len(columns[0])} training pairs of at most {max_length} pieces")
+class PairFilter:
+    """The training pairs kept, counted in pieces, as Moses' ``clean-corpus-n.perl`` keeps them
+    (the cleaning of fairseq's prepare-wmt14en2fr.sh: ``-ratio 1.5 ... 1 250``): every side has
+    ``min_length`` to ``max_length`` pieces, and no side is more than ``length_ratio`` times as
+    long as another. Yang et al.'s Zh-En "maximum length limited to 50" is ``max_length`` alone.
+    """
+
+    SETTINGS = ("min_length", "max_length", "length_ratio")
+
+    def __init__(self, min_length=None, max_length=None, length_ratio=None):
+        self.min_length, self.max_length, self.length_ratio = min_length, max_length, length_ratio
+
+    @classmethod
+    def from_settings(cls, settings):
+        """The filter of a recipe's prepare settings, or None when it sets none of them."""
+        given = {k: settings[k] for k in cls.SETTINGS if settings.get(k)}
+        return cls(**given) if given else None
+
+    def keeps(self, lengths):
+        if self.min_length and min(lengths) < self.min_length:
+            return False
+        if self.max_length and max(lengths) > self.max_length:
+            return False
+        if self.length_ratio and len(lengths) > 1:
+            # an empty side has no ratio; clean-corpus-n.perl drops it (min length 1) first
+            if min(lengths) == 0 or max(lengths) / min(lengths) > self.length_ratio:
+                return False
+        return True
+
+    def describe(self):
+        parts = []
+        if self.min_length or self.max_length:
+            parts.append(f"{self.min_length or 0} to {self.max_length or 'any number of'} pieces")
+        if self.length_ratio:
+            parts.append(f"sides at most {self.length_ratio} times as long as each other")
+        return ", ".join(parts)
+
+    def apply(self, paths):
+        """Rewrite the parallel files ``paths`` with the kept pairs only."""
+        columns = []
+        for path in paths:
+            with open(path, encoding="utf-8") as f:
+                columns.append(f.readlines())
+        keep = [
+            i
+            for i, lines in enumerate(zip(*columns))
+            if self.keeps([len(x.split()) for x in lines])
+        ]
+        if not keep:
+            raise RecipeError(f"the training pair filter ({self.describe()}) leaves no pair")
+        for path, lines in zip(paths, columns):
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(lines[i] for i in keep)
+        print(f"| kept {len(keep)} of {len(columns[0])} training pairs ({self.describe()})")
 
 
 def binarise(run, langs, spm_dir, joint):

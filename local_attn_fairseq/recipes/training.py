@@ -7,17 +7,36 @@ import json
 import os
 
 from ..experiments.fairseq_runner import USER_DIR
-from .config import RecipeError, options_to_argv, update_freq
+from .config import RecipeError, batch_plan, options_to_argv
 from .speech import train_task_args
 
 
-def train_argv(run, row):
-    train = run.recipe["train"]
-    args = dict(row["args"])
-    max_tokens = args.pop("max-tokens", train["max_tokens_per_gpu"])
-    freq = args.pop("update-freq", None) or update_freq(
-        train["tokens_per_batch"], max_tokens, run.gpu_count()
+def batch_options(run, row):
+    """(--max-tokens, --update-freq) of the row on the run's GPUs: the paper's tokens per update
+    (``train.tokens_per_batch``) from batches of at most ``max_tokens_per_gpu`` tokens (or the
+    row's ``max-tokens``). A row or an override that sets ``update-freq`` is taken as given."""
+    train, args = run.recipe["train"], row["args"]
+    max_tokens = args.get("max-tokens", train["max_tokens_per_gpu"])
+    if args.get("update-freq"):
+        return max_tokens, args["update-freq"]
+    return batch_plan(train["tokens_per_batch"], max_tokens, run.gpu_count())
+
+
+def describe_batch(run, row):
+    max_tokens, freq = batch_options(run, row)
+    gpus = run.gpu_count()
+    paper = run.recipe["train"]["tokens_per_batch"]
+    return (
+        f"| batch: {gpus} GPU{'s' if gpus > 1 else ''} x {max_tokens} tokens x update-freq {freq} "
+        f"= {gpus * max_tokens * freq} tokens per update (train.tokens_per_batch {paper})"
     )
+
+
+def train_argv(run, row):
+    args = dict(row["args"])
+    args.pop("max-tokens", None)
+    args.pop("update-freq", None)
+    max_tokens, freq = batch_options(run, row)
     argv = [run.data_path(row), "--user-dir", USER_DIR, "--arch", row["arch"]]
     argv += options_to_argv(args)
     argv += ["--max-tokens", max_tokens, "--update-freq", freq, "--seed", run.seed]
@@ -52,5 +71,6 @@ def read_heads_kept(path):
 
 
 def train(run, row):
+    print(describe_batch(run, row), flush=True)
     log = os.path.join(run.row_dir(row["name"]), "train.log")
     run.run_tool("fairseq-train", train_argv(run, row), log)

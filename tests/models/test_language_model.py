@@ -195,3 +195,12 @@ def test_spec_rejects_encoder_and_cross_attention_settings(lm_data, options, mes
     with pytest.raises(LocalitySpecError, match=r"attention types: decoder_self\)") as error:
         build_lm(lm_data, "transformer_lm_local_tiny", *options)
     assert message in str(error.value)
+
+
+def test_decoder_post_norm_gives_vaswani_et_als_layer_order(lm_data):
+    post, _ = build_lm(lm_data, "transformer_lm_local_tiny", "--decoder-post-norm")
+    assert not any(layer.normalize_before for layer in post.decoder.layers)
+    assert post.decoder.layer_norm is None  # no final norm after post-norm layers
+    pre, _ = build_lm(lm_data, "transformer_lm_local_tiny")
+    assert all(layer.normalize_before for layer in pre.decoder.layers)
+    assert pre.decoder.layer_norm is not None
