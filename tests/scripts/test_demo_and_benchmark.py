@@ -21,7 +21,7 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     """``make demo``'s command with its default corpus, the Bible, on a slice of it."""
     work = tmp_path / "demo"
     cmd = [sys.executable, os.path.join(REPO, "scripts", "demo.py"), "--work-dir", work]
-    cmd += ["--epochs", "1", "--max-train", "1500", "--test-size", "200", "--vocab-size", "1000"]
+    cmd += ["--epochs", "1", "--max-train", "1500", "--test-size", "50", "--vocab-size", "1000"]
     out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # not a terminal: plain progress lines (no bar), the last one of each model says done
@@ -32,7 +32,7 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
             re.M,
         ), out.stdout[-3000:]
     assert "\r" not in out.stdout
-    assert "Bible en-es (WEB / Reina-Valera 1909) test (200 sentences), 1 epochs" in out.stdout
+    assert "Bible en-es (WEB / Reina-Valera 1909) test (50 sentences), 1 epochs" in out.stdout
     table = out.stdout[out.stdout.index("| model |") :]
     assert re.search(r"\| transformer \(baseline\) \| 0\.\d+M \| [\d.]+ \| \d+ \|", table)
     assert re.search(r"\| transformer_local_tied \| 0\.\d+M \| [\d.]+ \| \d+ \|", table)

@@ -1,0 +1,587 @@
+"""fairseq's own command-line options (those its tests/test_binaries.py runs) against every family
+of the plugin's models, fairseq's ``transformer`` and ``transformer_lm`` as the controls.
+
+Each family is trained once (two updates of tiny dimensions on the tiny corpus) and its checkpoint
+is shared by the option cases. The tools run in this process, their arguments parsed by fairseq's
+own parsers and passed to their ``main``, as fairseq's tests do: no child process pays seconds
+for importing fairseq. The cases of one family run one after the other, so a pytest-xdist
+worker trains few families.
+
+Run it alone with ``python -m pytest -n 0 tests/models/test_fairseq_option_matrix.py``;
+docs/fairseq_features.md has the matrix as a table.
+"""
+
+import contextlib
+import io
+import json
+import logging
+import math
+import re
+import threading
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import pytest
+import torch
+from fairseq import checkpoint_utils, distributed_utils, options
+from fairseq.data import data_utils
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq_cli import eval_lm, generate, interactive, preprocess, train
+
+from ..conftest import TINY_MODEL, TRAIN, USER_DIR
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Half Tied's encoder (layers 1-2 use the Wq/Wk of layer 0 head 0) and decoder heads that borrow
+# the Wq/Wk of the layer below, in self- and cross-attention.
+CROSS_LAYER_TIES = (
+    "{encoder_self: {0: [identity, identity@0, prev-1@0, prev-2@0, next-1@0, next-2@0, band-1@0,"
+    " band-2@0], 1-2: [identity@0.0, identity@0.0, prev-1@0.0, prev-2@0.0, next-1@0.0, next-2@0.0,"
+    " band-1@0.0, band-2@0.0]},"
+    " decoder_self: {0: [prev-1, identity, global, global, global, global, global, global],"
+    " 1: [prev-1@0.0, identity@0.1, global@0.2, global, global, global, global, global]},"
+    " decoder_cross: {1: [global@0.0, global@0.1, global, global, global, global, global, global]}}"
+)
+MT_FAMILIES = {
+    "transformer": ["--arch", "transformer"],  # fairseq's own: the control
+    "tied": ["--arch", "transformer_local_tied"],  # Pande et al. (i), 1LocHead 7TiedLoc All6
+    "cross_layer_tied": ["--arch", "transformer_local", "--locality-config", CROSS_LAYER_TIES],
+    "localness": ["--arch", "transformer_localness"],  # Yang et al., encoder layers 0-2
+    "dynwin": ["--arch", "transformer_dynwin"],  # Nguyen et al., Enc(AW)-Cr(AW,Seg)-Dec(MW)
+    "gated": [  # Voita et al.: Hard Concrete gates on every head, trained with the L0 penalty
+        "--arch", "transformer_local", "--head-gates", "enc,dec,cross",
+        "--criterion", "label_smoothed_cross_entropy_l0",
+    ],
+}  # fmt: skip
+LM_SHAPE = (
+    "--decoder-layers 3 --decoder-attention-heads 4 --decoder-embed-dim 32 "
+    "--decoder-ffn-embed-dim 64 --share-decoder-input-output-embed"
+).split()
+LM_FAMILIES = {
+    "transformer_lm": ["--arch", "transformer_lm"],  # fairseq's own: the control
+    "lm_localness": ["--arch", "transformer_lm_local", "--localness-layers", "decoder_self:0-1"],
+    "lm_dynwin": ["--arch", "transformer_lm_dynwin"],  # Dec(MW) in layers 0-2
+}
+
+EVAL_BLEU = ["--eval-bleu", "--eval-bleu-args", '{"beam": 2, "max_len_b": 8}']
+# Decoding of the whole tiny test set (40 sentences) in one batch, hypotheses of up to 8 tokens.
+DECODE = ["--gen-subset", "test", "--max-len-b", 8, "--batch-size", 40, "--num-workers", 0]
+SHORT_RUN = ["--max-update", 2, "--disable-validation"]
+LAYERDROP = ["--encoder-layerdrop", 0.5, "--decoder-layerdrop", 0.5]
+# fairseq's LayerDrop pruning at load time: keep encoder layers 0, 2, 4 and decoder layer 0 (the
+# layers whose Wq/Wk the tied heads of the other layers use stay).
+KEEP_LAYERS = {"encoder_layers_to_keep": "0,2,4", "decoder_layers_to_keep": "0"}
+TEST_SENTENCES = 40
+
+
+# ---- fairseq's tools in this process -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def log_records(*logger_names):
+    """The messages the named loggers emit at INFO and above, whatever the root logger's level."""
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append((record.name, record.getMessage()))
+
+    handler = Keep(logging.INFO)
+    loggers = [logging.getLogger(name) for name in logger_names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
+def parse(parser, argv):
+    return options.parse_args_and_arch(parser, [str(a) for a in argv])
+
+
+# The notices hydra gives each time fairseq composes its configuration from a command line.
+HYDRA_NOTICES = (
+    r"\s*(hydra\.experimental\.\w+\(\) is no longer experimental|The version_base parameter"
+    r"|In 'config': Usage of deprecated keyword|'config' is validated against ConfigStore"
+    r"|The strict flag in the compose API)"
+)
+
+
+def on_a_short_stack(function, *args):
+    """``function(*args)`` in a thread of its own, its exception raised here.
+
+    fairseq composes its configuration with hydra, which looks for its caller with
+    ``inspect.stack()``, reading the source lines of every frame on the stack: about a tenth of
+    a second per run under pytest's hundred frames, next to nothing in a new thread.
+    """
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as error:  # raised again in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+@contextlib.contextmanager
+def fairseq_tool():
+    """Around a tool's ``main``: what it prints is kept, hydra's notices are left out."""
+    out = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out):
+        warnings.filterwarnings("ignore", message=HYDRA_NOTICES, category=UserWarning)
+        yield out
+
+
+@dataclass
+class TrainingLog:
+    """fairseq-train's JSON progress records: one per update (train_inner), one per validation."""
+
+    updates: List[dict]
+    valid: List[dict]
+
+    def at(self, update: int) -> dict:
+        return next(r for r in self.updates if int(r["num_updates"]) == update)
+
+    def value(self, update: int, key: str) -> float:
+        return float(self.at(update)[key])
+
+
+def train_main(args):
+    """What fairseq-train does with its parsed arguments."""
+    distributed_utils.call_main(convert_namespace_to_omegaconf(args), train.main)
+
+
+def fairseq_train(*argv) -> TrainingLog:
+    args = parse(options.get_training_parser(), [*argv, "--log-format", "json"])
+    # fairseq keeps the best validation score on a function attribute: forget an earlier run's.
+    if hasattr(checkpoint_utils.save_checkpoint, "best"):
+        del checkpoint_utils.save_checkpoint.best
+    with log_records("fairseq.logging.progress_bar") as records, fairseq_tool():
+        on_a_short_stack(train_main, args)
+    by_tag = defaultdict(list)
+    for tag, message in records:
+        by_tag[tag].append(json.loads(message))
+    return TrainingLog(updates=by_tag["train_inner"], valid=by_tag["valid"])
+
+
+@dataclass
+class Decoded:
+    """The S-/T-/H-/P-/A- lines of fairseq-generate or fairseq-interactive, by sentence id."""
+
+    text: str
+    sources: Dict[int, str] = field(default_factory=dict)
+    targets: Dict[int, str] = field(default_factory=dict)
+    hypotheses: Dict[int, List[tuple]] = field(default_factory=lambda: defaultdict(list))
+    positional: Dict[int, List[List[float]]] = field(default_factory=lambda: defaultdict(list))
+    alignments: Dict[int, List[str]] = field(default_factory=lambda: defaultdict(list))
+
+    @classmethod
+    def parse(cls, text):
+        out = cls(text)
+        for line in text.splitlines():
+            kind, _, rest = line.partition("-")
+            fields = rest.split("\t")
+            if kind not in ("S", "T", "H", "P", "A") or not fields[0].isdigit():
+                continue
+            i = int(fields[0])
+            value = fields[1] if len(fields) > 1 else ""
+            if kind == "S":
+                out.sources[i] = value
+            elif kind == "T":
+                out.targets[i] = value
+            elif kind == "H":
+                out.hypotheses[i].append((float(value), fields[2] if len(fields) > 2 else ""))
+            elif kind == "P":
+                out.positional[i].append([float(x) for x in value.split()])
+            elif kind == "A":
+                out.alignments[i].append(value)
+        return out
+
+    def best(self):
+        """The first (best) hypothesis of every sentence, by id."""
+        return {i: h[0][1] for i, h in self.hypotheses.items()}
+
+    def scores(self):
+        return [score for hypos in self.hypotheses.values() for score, _ in hypos]
+
+
+def fairseq_generate(data_bin, checkpoint, *argv) -> Decoded:
+    args = parse(
+        options.get_generation_parser(),
+        [data_bin, "--user-dir", USER_DIR, "--path", checkpoint, *argv],
+    )
+    with fairseq_tool() as out:
+        on_a_short_stack(generate.main, args)
+    return Decoded.parse(out.getvalue())
+
+
+def fairseq_interactive(data_bin, checkpoint, input_file, *argv) -> Decoded:
+    args = parse(
+        options.get_interactive_generation_parser(),
+        [data_bin, "--user-dir", USER_DIR, "--path", checkpoint, "--input", input_file, *argv],
+    )
+    with fairseq_tool() as out:
+        on_a_short_stack(interactive.main, args)
+    return Decoded.parse(out.getvalue())
+
+
+def fairseq_eval_lm(data_bin, checkpoint, *argv):
+    """fairseq-eval-lm's results (loss, perplexity) and the number of tokens it scored."""
+    args = parse(
+        options.get_eval_lm_parser(),
+        [data_bin, "--user-dir", USER_DIR, "--path", checkpoint, *argv],
+    )
+    with log_records("fairseq_cli.eval_lm") as records, fairseq_tool():
+        results = on_a_short_stack(eval_lm.main, args)
+    scored = [re.search(r"Evaluated ([\d,]+) tokens", m) for _, m in records]
+    tokens = [int(found.group(1).replace(",", "")) for found in scored if found]
+    assert len(tokens) == 1, records
+    return results, tokens[0]
+
+
+def fairseq_preprocess(*argv):
+    """fairseq-preprocess in this process."""
+    logger = logging.getLogger("fairseq_cli.preprocess")
+    handlers = list(logger.handlers)
+    try:
+        with fairseq_tool():
+            preprocess.main(options.get_preprocessing_parser().parse_args([str(a) for a in argv]))
+    finally:  # fairseq-preprocess adds a log file handler to its logger and never removes it
+        for handler in set(logger.handlers) - set(handlers):
+            logger.removeHandler(handler)
+            handler.close()
+
+
+# ---- trained families, shared by the option cases ----------------------------------------------
+
+
+@dataclass
+class Run:
+    save_dir: object
+    log: TrainingLog
+
+    @property
+    def checkpoint(self):
+        return self.save_dir / "checkpoint_last.pt"
+
+    def parameters(self):
+        return checkpoint_utils.load_checkpoint_to_cpu(str(self.checkpoint))["model"]
+
+
+class Matrix:
+    """The training runs and decodings of each family, each done once per module; a family's
+    ``base`` run (``base_options``) is the checkpoint its decodings use."""
+
+    def __init__(self, data_bin, families, shape, train_options, base_options, tmp_path_factory):
+        self.data_bin, self.families, self.shape = data_bin, families, shape
+        self.train_options, self.base_options = train_options, base_options
+        self.tmp = tmp_path_factory
+        self._runs, self._decoded = {}, {}
+
+    def train(self, family, *extra) -> Run:
+        key = (family, *map(str, extra))
+        if key not in self._runs:
+            save_dir = self.tmp.mktemp(f"{family}_train")
+            argv = [self.data_bin, "--user-dir", USER_DIR, *self.families[family], *self.shape,
+                    *self.train_options, "--save-dir", save_dir, *extra]  # fmt: skip
+            self._runs[key] = Run(save_dir, fairseq_train(*argv))
+        return self._runs[key]
+
+    def base(self, family) -> Run:
+        return self.train(family, *self.base_options)
+
+    def generate(self, family, *extra) -> Decoded:
+        key = (family, *map(str, extra))
+        if key not in self._decoded:
+            self._decoded[key] = fairseq_generate(self.data_bin, self.base(family).checkpoint,
+                                                  *extra)  # fmt: skip
+        return self._decoded[key]
+
+
+@pytest.fixture(scope="module", params=list(MT_FAMILIES))
+def family(request):
+    """A translation family: pytest runs every case of one family before the next one's."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def mt(tiny_data, tmp_path_factory):
+    # the base run: two updates, then validation with BLEU (the --eval-bleu case reads its log)
+    base = ["--max-update", 2, *EVAL_BLEU]
+    return Matrix(tiny_data / "bin", MT_FAMILIES, TINY_MODEL, TRAIN, base, tmp_path_factory)
+
+
+def greedy(mt, family) -> Decoded:
+    return mt.generate(family, *DECODE, "--beam", 1)
+
+
+# fairseq drops a last batch smaller than --required-batch-size-multiple (8): keep the tiny
+# valid and test sets whole.
+LM_TASK = ["--task", "language_modeling", "--required-batch-size-multiple", 1]
+LM_TRAIN = [
+    *LM_TASK, "--tokens-per-sample", 64, "--sample-break-mode", "complete", "--optimizer", "adam",
+    "--lr", "1e-3", "--max-tokens", 1000, "--seed", 1, "--num-workers", 0, "--no-progress-bar",
+    "--log-interval", 1, "--no-epoch-checkpoints",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(LM_FAMILIES))
+def lm_family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_data, tmp_path_factory):
+    """The English side of the tiny corpus, binarised for language modelling."""
+    small, dest = tiny_data / "small", tiny_data / "lm-bin-option-matrix"
+    if not (dest / "dict.txt").exists():
+        fairseq_preprocess("--only-source", "--trainpref", small / "train.en", "--validpref",
+                           small / "valid.en", "--testpref", small / "test.en", "--destdir", dest,
+                           "--workers", 1)  # fmt: skip
+    return Matrix(dest, LM_FAMILIES, LM_SHAPE, LM_TRAIN, ["--max-update", 2], tmp_path_factory)
+
+
+def assert_finite(scores):
+    assert scores and all(math.isfinite(s) for s in scores), scores
+
+
+def assert_one_hypothesis_per_sentence(decoded, n=TEST_SENTENCES, nbest=1):
+    assert sorted(decoded.hypotheses) == list(range(n)), decoded.text[-2000:]
+    assert all(len(h) == nbest for h in decoded.hypotheses.values())
+    assert_finite(decoded.scores())
+
+
+def tokens(text):
+    # fairseq-generate shows an unknown word of a reference as <<unk>>, of a hypothesis as <unk>
+    return text.replace("<<unk>>", "<unk>").split()
+
+
+# ---- fairseq-generate's options -----------------------------------------------------------------
+
+
+def test_greedy_scores_are_the_mean_of_the_token_scores(mt, family):
+    decoded = greedy(mt, family)
+    assert_one_hypothesis_per_sentence(decoded)
+    assert "BLEU4 = " in decoded.text
+    for i, [(score, hypo)] in decoded.hypotheses.items():
+        [positional] = decoded.positional[i]
+        assert len(positional) == len(tokens(hypo)) + 1  # and the end of sentence
+        assert score == pytest.approx(sum(positional) / len(positional), abs=1e-3)
+
+
+def test_nbest(mt, family):
+    decoded = mt.generate(family, *DECODE, "--beam", 4, "--nbest", 4)
+    assert_one_hypothesis_per_sentence(decoded, nbest=4)
+    for hypos in decoded.hypotheses.values():
+        scores = [score for score, _ in hypos]
+        assert scores == sorted(scores, reverse=True)
+        assert len({hypo for _, hypo in hypos}) == 4  # four different translations
+
+
+def test_sampling_with_temperature(mt, family):
+    decoded = mt.generate(family, *DECODE, "--sampling", "--temperature", 2, "--beam", 2,
+                          "--nbest", 2)  # fmt: skip
+    assert_one_hypothesis_per_sentence(decoded, nbest=2)
+    # two draws at temperature 2 from an almost untrained model are not all the same
+    assert any(h[0][1] != h[1][1] for h in decoded.hypotheses.values())
+
+
+def test_sampling_topk_1_is_greedy(mt, family):
+    """Drawing from the single most probable token is greedy search, scores included."""
+    decoded = mt.generate(family, *DECODE, "--sampling", "--sampling-topk", 1, "--beam", 1)
+    assert_one_hypothesis_per_sentence(decoded)
+    reference = greedy(mt, family)
+    assert decoded.best() == reference.best()
+    assert decoded.scores() == pytest.approx(reference.scores(), abs=1e-5)
+
+
+def test_sampling_topp_below_the_top_probability_is_greedy(mt, family):
+    """The smallest set of tokens holding p of the mass, for a tiny p, is the top token alone."""
+    decoded = mt.generate(family, *DECODE, "--sampling", "--sampling-topp", 1e-6, "--beam", 1)
+    assert_one_hypothesis_per_sentence(decoded)
+    reference = greedy(mt, family)
+    assert decoded.best() == reference.best()
+    assert decoded.scores() == pytest.approx(reference.scores(), abs=1e-5)
+
+
+def test_diversity_rate(mt, family):
+    decoded = mt.generate(family, *DECODE, "--diversity-rate", 0.5, "--beam", 6, "--nbest", 2)
+    assert_one_hypothesis_per_sentence(decoded, nbest=2)
+    for hypos in decoded.hypotheses.values():
+        assert hypos[0][1] != hypos[1][1]
+
+
+def test_prefix_size(mt, family):
+    decoded = mt.generate(family, *DECODE, "--beam", 2, "--prefix-size", 2)
+    assert_one_hypothesis_per_sentence(decoded)
+    for i, [(_, hypo)] in decoded.hypotheses.items():
+        assert tokens(hypo)[:2] == tokens(decoded.targets[i])[:2]
+
+
+def test_retain_dropout(mt, family):
+    """Dropout stays on at inference: the same greedy search scores differently."""
+    decoded = mt.generate(family, *DECODE, "--beam", 1, "--retain-dropout")
+    assert_one_hypothesis_per_sentence(decoded)
+    reference = greedy(mt, family)
+    assert decoded.scores() != pytest.approx(reference.scores(), abs=1e-4)
+
+
+def test_match_source_len(mt, family):
+    decoded = mt.generate(family, *DECODE, "--beam", 2, "--match-source-len")
+    assert_one_hypothesis_per_sentence(decoded)
+    for i, [(_, hypo)] in decoded.hypotheses.items():
+        # fairseq's source lengths count the source's end-of-sentence token
+        assert len(tokens(hypo)) == len(tokens(decoded.sources[i])) + 1
+
+
+def test_print_alignment(mt, family):
+    decoded = mt.generate(family, *DECODE, "--beam", 2, "--print-alignment")
+    assert_one_hypothesis_per_sentence(decoded)
+    for i, [(_, hypo)] in decoded.hypotheses.items():
+        [alignment] = decoded.alignments[i]
+        pairs = [tuple(map(int, pair.split("-"))) for pair in alignment.split()]
+        # one source position per target token
+        assert [t for _, t in pairs] == list(range(len(tokens(hypo))))
+        assert all(0 <= s < len(tokens(decoded.sources[i])) for s, _ in pairs)
+
+
+# ---- fairseq-interactive ------------------------------------------------------------------------
+
+
+def test_interactive_batches_translate_as_generate_does(mt, family, tiny_data, tmp_path):
+    """Six sentences of different lengths read in batches of 4 (buffer 4): each batch pads its
+    sentences differently from fairseq-generate's one batch of 40, the translations are the
+    same."""
+    n = 6
+    with open(tiny_data / "small" / "test.de", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(n)]
+    assert len({len(line.split()) for line in lines}) > 1
+    input_file = tmp_path / "input.de"
+    input_file.write_text("".join(lines), encoding="utf-8")
+    decoded = fairseq_interactive(
+        mt.data_bin, mt.base(family).checkpoint, input_file, "--source-lang", "de",
+        "--target-lang", "en", "--beam", 1, "--max-len-b", 8, "--buffer-size", 4,
+        "--batch-size", 4,
+    )  # fmt: skip
+    assert_one_hypothesis_per_sentence(decoded, n=n)
+    reference = greedy(mt, family)
+    assert decoded.best() == {i: reference.best()[i] for i in range(n)}
+    for i in range(n):
+        assert decoded.hypotheses[i][0][0] == pytest.approx(reference.hypotheses[i][0][0], abs=1e-4)
+
+
+# ---- fairseq-train's options --------------------------------------------------------------------
+
+
+def test_eval_bleu(mt, family):
+    [valid] = mt.base(family).log.valid
+    assert 0 <= float(valid["valid_bleu"]) <= 100
+    assert math.isfinite(float(valid["valid_loss"]))
+
+
+def test_update_freq_accumulates_two_batches(mt, family):
+    base = mt.base(family).log
+    accumulated = mt.train(family, "--update-freq", 2, "--max-update", 1, "--disable-validation",
+                           "--no-save").log  # fmt: skip
+    # the one update holds the first two batches of the run without --update-freq
+    for key in ("bsz", "wpb"):
+        assert accumulated.value(1, key) == base.value(1, key) + base.value(2, key)
+    assert math.isfinite(accumulated.value(1, "loss"))
+    assert len(accumulated.updates) == 1
+
+
+@pytest.mark.parametrize("option", ["--checkpoint-activations", "--offload-activations"])
+def test_activation_checkpointing_trains_the_same_model(mt, family, option):
+    """Recomputing activations in the backward pass (dropout masks replayed) gives the losses,
+    gradient norms and parameters of the run that keeps them."""
+    base = mt.base(family)
+    checkpointed = mt.train(family, option, *SHORT_RUN)
+    for update in (1, 2):
+        for key in ("loss", "gnorm"):
+            # as logged, to three decimals
+            expected = pytest.approx(base.log.value(update, key), abs=1e-3)
+            assert checkpointed.log.value(update, key) == expected, key
+    expected, found = base.parameters(), checkpointed.parameters()
+    assert found.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(found[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_layerdrop_train_and_generate(mt, family):
+    run = mt.train(family, *LAYERDROP, *SHORT_RUN)
+    assert all(math.isfinite(r) for r in [run.log.value(1, "loss"), run.log.value(2, "loss")])
+    decoded = fairseq_generate(mt.data_bin, run.checkpoint, *DECODE, "--beam", 2)
+    assert_one_hypothesis_per_sentence(decoded)
+
+
+def test_layerdrop_layers_to_keep(mt, family):
+    """fairseq's pruning at load time: the kept layers, renumbered, with their trained weights."""
+    run = mt.train(family, *LAYERDROP, *SHORT_RUN)
+    [model], _ = checkpoint_utils.load_model_ensemble(
+        [str(run.checkpoint)], arg_overrides=KEEP_LAYERS
+    )
+    assert len(model.encoder.layers) == 3 and len(model.decoder.layers) == 1
+    trained = run.parameters()
+    for new, old in enumerate([0, 2, 4]):
+        for name, value in model.encoder.layers[new].state_dict().items():
+            torch.testing.assert_close(value, trained[f"encoder.layers.{old}.{name}"], msg=name)
+    decoded = fairseq_generate(mt.data_bin, run.checkpoint, *DECODE, "--beam", 2,
+                               "--model-overrides", str(KEEP_LAYERS))  # fmt: skip
+    assert_one_hypothesis_per_sentence(decoded)
+
+
+# ---- language models: fairseq-eval-lm and generation --------------------------------------------
+
+
+def test_eval_lm_context_window_scores_every_token_once(lm, lm_family):
+    """Blocks of 16 new tokens, each scored after the 16 tokens before it: every token of the
+    test split is scored, once."""
+    results, scored = fairseq_eval_lm(
+        lm.data_bin, lm.base(lm_family).checkpoint, *LM_TASK, "--gen-subset", "test",
+        "--sample-break-mode", "none", "--tokens-per-sample", 32, "--context-window", 16,
+        "--max-tokens", 1000, "--num-workers", 0,
+    )  # fmt: skip
+    test_split = data_utils.load_indexed_dataset(str(lm.data_bin / "test"), None)
+    assert scored == test_split.sizes.sum()
+    assert_finite([results["loss"], results["perplexity"]])
+
+
+LM_DECODE = [*LM_TASK, "--gen-subset", "test", "--sample-break-mode", "eos",
+             "--tokens-per-sample", 64, "--batch-size", 40, "--num-workers", 0,
+             "--max-len-a", 1, "--max-len-b", 4]  # fmt: skip
+
+
+def assert_continues_its_prompt(decoded, nbest):
+    """fairseq-generate with the language_modeling task continues each test sentence."""
+    assert_one_hypothesis_per_sentence(decoded, nbest=nbest)
+    continued = 0
+    for i, hypos in decoded.hypotheses.items():
+        prompt = tokens(decoded.sources[i])
+        for _, hypo in hypos:
+            assert tokens(hypo)[: len(prompt)] == prompt
+            continued += len(tokens(hypo)) > len(prompt)
+    assert continued > 0
+
+
+def test_lm_generate_beam(lm, lm_family):
+    assert_continues_its_prompt(lm.generate(lm_family, *LM_DECODE, "--beam", 2), nbest=1)
+
+
+def test_lm_generate_sampling(lm, lm_family):
+    decoded = lm.generate(lm_family, *LM_DECODE, "--sampling", "--sampling-topk", 5,
+                          "--temperature", 0.7, "--beam", 2, "--nbest", 2)  # fmt: skip
+    assert_continues_its_prompt(decoded, nbest=2)
