@@ -23,6 +23,9 @@ Where the centre and the I-scaled windows sit is one option (``centre``):
 I is the real (unpadded) length and j counts real keys from the first real token, so left or
 right padding changes nothing. With a causal mask, query i sees I_i = i + 1 keys (and the layer
 strategy averages only those), which makes incremental decoding match the full forward pass.
+A language model scored with ``fairseq-eval-lm --context-window`` sees the context as the start
+of its sequence (I and j count it), as its positional embeddings do: nothing in the model's
+input says where the scored block begins (docs/fairseq_features.md).
 W_p is d x d on the full query (d = all heads' query width); U_p and U_d give one scalar per head.
 """
 
