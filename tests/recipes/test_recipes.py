@@ -522,7 +522,7 @@ def test_dry_run_of_nguyen_carries_ott_et_als_settings():
     assert "(hyphens split, Moses -a) on test" in out and "compound" not in out.split("reported")[1]
     out = dry_run("nguyen_lm1b", "Dec (MW)", "--gpus", "8")
     assert "--lr 0.0005 " in out and "--max-tokens 1792 --update-freq 1 " in out
-    assert "normalisation: the paper's MT models are Vaswani et al.'s post-norm" in out
+    assert "--decoder-post-norm" in out and "normalisation: post-norm (--decoder-post-norm)" in out
 
 
 def test_dry_run_of_alastruey_prepares_fairseqs_mustc_data():
