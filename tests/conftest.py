@@ -46,8 +46,18 @@ FAIRSEQ_ENTRY_POINTS = {
 FAIRSEQ_LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 
 
+def forget_previous_best():
+    """fairseq keeps the best validation score of a run on a function attribute: a second run in
+    one process would compare against the first run's and might write no checkpoint_best.pt."""
+    from fairseq import checkpoint_utils
+
+    if hasattr(checkpoint_utils.save_checkpoint, "best"):
+        del checkpoint_utils.save_checkpoint.best
+
+
 def _run_entry_point(tool, args, cwd, stdin):
     main = FAIRSEQ_ENTRY_POINTS[tool].load()
+    forget_previous_best()
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(logging.Formatter(FAIRSEQ_LOG_FORMAT))

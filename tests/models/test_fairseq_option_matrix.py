@@ -30,7 +30,7 @@ from fairseq.data import data_utils
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_cli import eval_lm, generate, interactive, preprocess, train
 
-from ..conftest import TINY_MODEL, TRAIN, USER_DIR
+from ..conftest import TINY_MODEL, TRAIN, USER_DIR, forget_previous_best
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -167,9 +167,7 @@ def train_main(args):
 
 def fairseq_train(*argv) -> TrainingLog:
     args = parse(options.get_training_parser(), [*argv, "--log-format", "json"])
-    # fairseq keeps the best validation score on a function attribute: forget an earlier run's.
-    if hasattr(checkpoint_utils.save_checkpoint, "best"):
-        del checkpoint_utils.save_checkpoint.best
+    forget_previous_best()
     with log_records("fairseq.logging.progress_bar") as records, fairseq_tool():
         on_a_short_stack(train_main, args)
     by_tag = defaultdict(list)
