@@ -65,14 +65,19 @@ if "--spin" not in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from local_attn_fairseq.cli_types import output_file, positive_int  # noqa: E402
 from local_attn_fairseq.experiments.measurement import (  # noqa: E402
+    add_overwrite_option,
     attention_traffic_bytes,
     band_flops,
+    check_output_file,
+    is_record_list,
     one_call,
     peak_bytes,
+    starts_with,
     timed,
+    write_output_file,
 )
-from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
 from local_attn_fairseq.ops import (  # noqa: E402
     banded_attention,
     extension_info,
@@ -290,23 +295,28 @@ HEADER = [
 ]  # fmt: skip
 
 
-def parse_args():
+# The first words of the table --output holds: an existing file that begins so is this
+# benchmark's, replaced by a new run; any other needs --overwrite.
+TABLE_START = "banded route: "
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="T in {256, 1024}, w in {5, 65}, 2 rounds"
     )
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
-    parser.add_argument("--widths", type=int, nargs="+", default=[5, 33, 65, 129])
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 4096, 16384])
+    parser.add_argument("--widths", type=positive_int, nargs="+", default=[5, 33, 65, 129])
     parser.add_argument(
         "--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"]
     )
     parser.add_argument(
         "--backward", action="store_true", help="forward + backward only (--modes fwd+bwd)"
     )
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--dim", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--dense-memory-gb", type=float, default=6.0)
     parser.add_argument(
         "--impl", choices=["extension", "torch", "tensor-core"], default="extension",
@@ -316,14 +326,19 @@ def parse_args():
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"]
     )
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--spin", action="store_true", help="keep OpenMP's spinning idle workers")
-    parser.add_argument("--output", help="also write the table (markdown) to this file")
     parser.add_argument(
-        "--json", metavar="FILE",
+        "--threads", type=positive_int, help="torch intra-op threads (default: torch's)"
+    )
+    parser.add_argument("--spin", action="store_true", help="keep OpenMP's spinning idle workers")
+    parser.add_argument(
+        "--output", type=output_file, help="also write the table (markdown) to this file"
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", type=output_file,
         help="also write one record per route and cell to this file (a JSON list)",
     )  # fmt: skip
-    args = parser.parse_args()
+    add_overwrite_option(parser)
+    args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.widths, args.repeats = [256, 1024], [5, 65], 2
     if args.backward:
@@ -333,11 +348,19 @@ def parse_args():
     args.device, args.dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
+    if args.dense_memory_gb < 0:
+        parser.error("--dense-memory-gb: must be 0 or more")
+    # --json is rewritten after every cell (a run cut short keeps its records): a file of
+    # records, as it writes them, is its own; the table's own file begins with TABLE_START.
+    if args.output:
+        check_output_file(args.output, "--output", starts_with(TABLE_START), args.overwrite)
+    if args.json:
+        check_output_file(args.json, "--json", is_record_list, args.overwrite)
     return args
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     logging.getLogger("filelock").setLevel(logging.WARNING)  # torch.compile's cache locks
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -351,7 +374,7 @@ def main():
         )
     dtype = str(args.dtype).replace("torch.", "")
     lines = [
-        f"banded route: {args.impl} {info}; torch {torch.__version__}; {where}; "
+        f"{TABLE_START}{args.impl} {info}; torch {torch.__version__}; {where}; "
         f"B={args.batch} H={args.heads} D={args.dim} {dtype}; "
         f"peak ({dtype} matmul) {peak:.3f} TFLOP/s; times: median of {args.repeats} rounds; "
         "band FLOPs: 4*B*H*T*w*D forward, 3x with backward",
@@ -383,9 +406,9 @@ def main():
                 print("\n".join(rows), flush=True)
                 records += cell
                 if args.json:
-                    atomic_write_text(args.json, json.dumps(records, indent=1) + "\n")
+                    write_output_file(args.json, "--json", json.dumps(records, indent=1) + "\n")
     if args.output:
-        atomic_write_text(args.output, "\n".join(lines) + "\n")
+        write_output_file(args.output, "--output", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

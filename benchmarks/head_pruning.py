@@ -21,6 +21,7 @@ import torch
 from fairseq import options, tasks
 
 import local_attn_fairseq  # noqa: F401  (registers the plugin)
+from local_attn_fairseq.cli_types import int_at_least, positive_int
 
 BASE = "--arch transformer_local -s de -t en --encoder-layers 6 --encoder-attention-heads 8".split()
 
@@ -58,14 +59,27 @@ def timed(fn, repeats):
     return (time.perf_counter() - start) / repeats
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kept", type=int, default=2, help="heads kept in every encoder layer")
-    parser.add_argument("--length", type=int, default=128, help="source tokens per sentence")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=3, help="forward passes per timing")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--kept", type=positive_int, default=2, help="heads kept in every encoder layer (1-8)"
+    )
+    parser.add_argument(
+        "--length", type=positive_int, default=128, help="source tokens per sentence"
+    )
+    parser.add_argument("--batch", type=positive_int, default=16)
+    parser.add_argument("--rounds", type=positive_int, default=7)
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3, help="forward passes per timing"
+    )
+    args = parser.parse_args(argv)
+    if args.kept > 8:  # the encoders have 8 heads per layer
+        parser.error(f"--kept: at most 8 heads per layer, got {args.kept}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as data_dir:

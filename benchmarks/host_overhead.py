@@ -26,18 +26,27 @@ import sys
 
 import torch
 
+from local_attn_fairseq.cli_types import non_negative_int, output_file, positive_int
 from local_attn_fairseq.experiments import host_overhead
-from local_attn_fairseq.file_safety import atomic_write_text
+from local_attn_fairseq.experiments.measurement import (
+    add_overwrite_option,
+    check_output_file,
+    starts_with,
+    write_output_file,
+)
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads (default 1: the host's cost)"
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch CPU threads (default 1: the host's cost)",
     )
-    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds per row")
-    parser.add_argument("--calls", type=int, default=200, help="calls per side per round")
+    parser.add_argument("--rounds", type=positive_int, default=7, help="alternating rounds per row")
+    parser.add_argument("--calls", type=positive_int, default=200, help="calls per side per round")
     parser.add_argument(
         "--only",
         nargs="+",
@@ -50,25 +59,29 @@ def parse_args():
         action="store_true",
         help="pass the modules an all-False key_padding_mask instead of None",
     )
-    parser.add_argument("--output", metavar="FILE.md", help="also write the table to this file")
+    parser.add_argument(
+        "--output", metavar="FILE.md", type=output_file, help="also write the table to this file"
+    )
     parser.add_argument(
         "--profile",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="also print torch.profiler's N most expensive operations of each side",
     )
-    args = parser.parse_args()
+    add_overwrite_option(parser)
+    args = parser.parse_args(argv)
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
-    if min(args.threads, args.rounds, args.calls) < 1:
-        parser.error("--threads, --rounds and --calls must be at least 1")
+    if args.output:  # a table of an earlier run begins as settings_line does
+        written_here = starts_with(host_overhead.TABLE_START)
+        check_output_file(args.output, "--output", written_here, args.overwrite)
     return args
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     names = args.only or host_overhead.ROW_NAMES
     rows, results = host_overhead.run(
@@ -85,7 +98,7 @@ def main():
     table = host_overhead.report(results, settings, args.device.type == "cuda")
     print("\n" + table)
     if args.output:
-        atomic_write_text(args.output, table)
+        write_output_file(args.output, "--output", table)
     if args.profile:
         print(host_overhead.profiles(rows, args.calls, args.device, args.profile))
 

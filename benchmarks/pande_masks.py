@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from local_attn_fairseq.cli_types import positive_int
 from local_attn_fairseq.locality.spec import HeadSpec, LocalitySpec
 from local_attn_fairseq.modules import local_multihead_attention
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
@@ -173,14 +174,14 @@ def short_sequences(args):
         )
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000, 8000])
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[2000, 4000, 8000])
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--embed-dim", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes per case")
+    parser.add_argument("--heads", type=positive_int, default=8)
+    parser.add_argument("--embed-dim", type=positive_int, default=512)
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed passes per case")
     parser.add_argument(
         "--explicit-limit-gb", type=float, default=8.0,
         help="skip the explicit path where its T x T tensors would exceed this",
@@ -190,11 +191,14 @@ def main():
         help="sentence lengths instead: a config (i) layer, band path vs explicit path",
     )  # fmt: skip
     parser.add_argument(
-        "--batch-tokens", type=int, default=2048, help="--short-sequences: tokens per batch"
+        "--batch-tokens",
+        type=positive_int,
+        default=2048,
+        help="--short-sequences: tokens per batch",
     )
     parser.add_argument("--run-case", choices=sorted(CASES), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.heads < 1 or args.embed_dim % args.heads:
+    args = parser.parse_args(argv)
+    if args.embed_dim % args.heads:
         parser.error("--embed-dim must be a positive multiple of --heads")
     if args.short_sequences:
         if args.lengths == parser.get_default("lengths"):

@@ -40,7 +40,13 @@ from local_attn_fairseq.experiments.measurement import (  # noqa: E402
     device_seconds_per_call,
     peak_bytes,
 )
-from local_attn_fairseq.file_safety import atomic_write_text  # noqa: E402
+from local_attn_fairseq.cli_types import output_file, positive_int  # noqa: E402
+from local_attn_fairseq.experiments.measurement import (  # noqa: E402
+    add_overwrite_option,
+    check_output_file,
+    starts_with,
+    write_output_file,
+)
 from local_attn_fairseq.models.s2t_transformer_local import (  # noqa: E402
     PAPER_WINDOWS,
     S2TTransformerLocalModel,
@@ -129,11 +135,15 @@ def measure(models, seconds, args):
     return {name: (statistics.median(times[name]), memory[name], busy[name]) for name in names}
 
 
-def parse_args():
+# The first words of the table (and of the --output file) this benchmark writes.
+TABLE_START = "s2t_transformer_local encoder ("
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=int, nargs="+", default=[10, 30, 60])
-    parser.add_argument("--batch", type=int, default=2, help="utterances per batch")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=positive_int, nargs="+", default=[10, 30, 60])
+    parser.add_argument("--batch", type=positive_int, default=2, help="utterances per batch")
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--windows", default=PAPER_WINDOWS, help="the local model's windows")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument(
@@ -142,16 +152,19 @@ def parse_args():
         choices=["float32", "bfloat16", "float16"],
         help="weights and features (float16: CUDA only)",
     )
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--spin", action="store_true", help="keep OpenMP's spinning workers")
-    parser.add_argument("--output", help="also write the table to this file")
-    args = parser.parse_args()
+    parser.add_argument("--output", type=output_file, help="also write the table to this file")
+    add_overwrite_option(parser)
+    args = parser.parse_args(argv)
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     if args.dtype == "float16" and args.device.type != "cuda":
         parser.error("--dtype float16 needs --device cuda (use bfloat16 or float32 on the CPU)")
     args.dtype = getattr(torch, args.dtype)
+    if args.output:
+        check_output_file(args.output, "--output", starts_with(TABLE_START), args.overwrite)
     return args
 
 
@@ -159,8 +172,8 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(1)
@@ -172,7 +185,7 @@ def main():
     windows = {name: [int(w) for w in m.attention_windows] for name, m in models.items()}
 
     lines = [
-        f"s2t_transformer_local encoder (12 x d256, 4 heads), forward + backward, batch "
+        f"{TABLE_START}12 x d256, 4 heads), forward + backward, batch "
         f"{args.batch}, {device_name(args.device)}, {str(args.dtype).replace('torch.', '')}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads; local windows {args.windows}; times: median of {args.rounds} rounds",
@@ -210,7 +223,7 @@ def main():
     )
     print(lines[-1])
     if args.output:
-        atomic_write_text(args.output, "\n".join(lines) + "\n")
+        write_output_file(args.output, "--output", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

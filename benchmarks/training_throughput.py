@@ -45,6 +45,7 @@ import torch
 from fairseq import options, tasks, utils
 from torch.utils.flop_counter import FlopCounterMode
 
+from local_attn_fairseq.cli_types import positive_int
 from local_attn_fairseq.experiments import demo  # the demo's data preparation and model sizes
 from local_attn_fairseq.experiments.measurement import OperationCounter, device_seconds_per_call
 
@@ -132,11 +133,14 @@ def training_cost(model, criterion, batches):
     return flops.get_total_flops(), operations.count
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--batches", type=int, default=20, help="batches per model per round")
-    parser.add_argument("--work-dir", default=os.path.join(ROOT, "demo_runs"))
+    parser.add_argument("--rounds", type=positive_int, default=6)
+    parser.add_argument(
+        "--batches", type=positive_int, default=20, help="batches per model per round"
+    )
+    # the Ding demo's folder by default: its data is reused, claimed under the demos' owner
+    demo.add_work_dir(parser, os.path.join(ROOT, "demo_runs"), "the demo's data")
     parser.add_argument(
         "--candidate",
         default="transformer_local_tied",
@@ -159,13 +163,13 @@ def parse_args():
         help="Transformer base sizes (512 dims, 6+6 layers) instead of the demo's",
     )
     parser.add_argument(
-        "--max-tokens", type=int, help="tokens per batch (default: the demo's 1024)"
+        "--max-tokens", type=positive_int, help="tokens per batch (default: the demo's 1024)"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true", help="float16 training (CUDA only)")
     precision.add_argument("--bf16", action="store_true", help="bfloat16 training (CUDA only)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
@@ -194,8 +198,13 @@ def contenders(args, plugin):
     return found
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
+    with demo.claimed_work_dir(args):
+        measure(args)
+
+
+def measure(args):
     device = args.device
     dims = ["--share-all-embeddings"] if args.base_sizes else demo.MODEL_DIMS
     options = [f"--{args.precision}"] if args.precision else []

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .file_safety import atomic_output
+from .file_safety import atomic_output, remove_leftover_temporaries
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,13 @@ def write_checkpoint(save: Callable, filename: str) -> None:
 def copy_checkpoint(source: str, destination: str) -> None:
     with atomic_output(destination) as temporary:
         shutil.copyfile(source, temporary)
+
+
+def remove_partial_checkpoints(save_dir: str) -> None:
+    """Delete the temporary checkpoint files a run killed mid-save left in `save_dir` (called
+    where fairseq-train starts or resumes a run there), logging each."""
+    for path in remove_leftover_temporaries(save_dir, "checkpoint*.pt"):
+        logger.info(f"removed {path}, a partial checkpoint of a run stopped while saving")
 
 
 def read_checkpoint(path: str) -> dict:

@@ -3,6 +3,7 @@ epochs, no training pairs, no parallel jobs) is refused with the option's name b
 starts, instead of failing later inside fairseq or silently training nothing."""
 
 import argparse
+import os
 
 
 def int_at_least(minimum):
@@ -23,3 +24,19 @@ def int_at_least(minimum):
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+
+def output_file(text):
+    """An argparse ``type``: the path of a file to write. An existing folder is refused, and so
+    is a path under a regular file (its folder cannot be created): either is the user's mistake,
+    named before any work instead of as an OSError from the final write."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give the path of a file to write")
+    folder = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(folder):  # the nearest part of the path that exists
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(
+            f"{text}: {folder} is a file, not a folder; choose a path in a folder"
+        )
+    return text

@@ -175,6 +175,7 @@ _original_load_checkpoint = None  # fairseq's, set by the shim
 def _load_checkpoint_with_fallback(cfg, trainer, **passthrough_args):
     """fairseq's ``load_checkpoint`` after checking the file it will read (see the module doc)."""
     suffix = trainer.checkpoint_suffix
+    checkpoint_files.remove_partial_checkpoints(cfg.save_dir)
     source = checkpoint_files.resume_source(cfg, suffix)
     if source is not None:
         if source.unreadable:

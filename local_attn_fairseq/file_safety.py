@@ -6,11 +6,13 @@ no folder that the project did not create is emptied or written into without ``-
 """
 
 import contextlib
+import fnmatch
 import os
+import re
 import secrets
 import shutil
 import sys
-from typing import Iterator
+from typing import Iterator, List
 
 # A folder created by one of the project's tools holds this file, naming the tool.
 OWNER_MARKER = ".local_attn_fairseq_output"
@@ -18,6 +20,10 @@ OWNER_MARKER = ".local_attn_fairseq_output"
 
 class FolderNotOwned(FileExistsError):
     """An output folder holds files that the tool claiming it did not write."""
+
+
+# The name of a temporary file of `atomic_output`: hidden, the final name, 8 hex digits.
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{8}\.tmp$")
 
 
 def _create_temporary(folder: str, name: str) -> str:
@@ -59,6 +65,24 @@ def atomic_output(path: str) -> Iterator[str]:
             os.remove(temporary)
 
 
+def remove_leftover_temporaries(folder: str, final_names: str = "*") -> List[str]:
+    """Delete the temporary files that `atomic_output` left in `folder` when a run was killed
+    mid-write (only those whose final name matches the glob `final_names`); returns their paths.
+
+    Call it where a run starts again in a folder it owns: nothing else writes these names, and
+    a run in progress in the same folder would be a second writer of the same files anyway.
+    """
+    removed = []
+    for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+        match = _TEMPORARY.match(entry)
+        path = os.path.join(folder, entry)
+        if match and fnmatch.fnmatchcase(match["name"], final_names) and os.path.isfile(path):
+            with contextlib.suppress(FileNotFoundError):  # another rank of the run was first
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
 def atomic_write_text(path: str, text: str) -> None:
     with atomic_output(path) as temporary:
         with open(temporary, "w", encoding="utf-8") as out:
@@ -76,18 +100,23 @@ def refuse_same_file(input_path: str, output_path: str) -> None:
         )
 
 
+def folder_owner(folder: str):
+    """The tool named in `folder`'s marker, or None."""
+    marker = os.path.join(folder, OWNER_MARKER)
+    if not os.path.isfile(marker):
+        return None
+    with open(marker, encoding="utf-8", errors="replace") as handle:
+        return handle.read().strip()
+
+
 def check_output_dir(folder: str, tool: str, overwrite: bool = False) -> None:
     """Raise FolderNotOwned if `claim_output_dir` would refuse `folder`; changes nothing.
 
     Lets a tool refuse a folder before its work (reading a corpus) and claim it only when it has
     something to write, so that a refused run leaves no folder behind.
     """
-    marker = os.path.join(folder, OWNER_MARKER)
     if os.path.isdir(folder) and os.listdir(folder):
-        owner = None
-        if os.path.isfile(marker):
-            with open(marker, encoding="utf-8") as handle:
-                owner = handle.read().strip()
+        owner = folder_owner(folder)
         if owner != tool and not overwrite:
             described = f"created by {owner}" if owner else "not created by " + tool
             raise FolderNotOwned(
@@ -101,9 +130,12 @@ def claim_output_dir(folder: str, tool: str, overwrite: bool = False) -> None:
 
     An absent or empty folder is created and marked; a folder marked by the same tool is reused;
     anything else is refused (FolderNotOwned) unless `overwrite` is set (then it is marked and
-    written into, and still nothing in it is deleted).
+    written into, and still nothing in it is deleted). In a folder of the same tool, the
+    temporary files of a run killed mid-write are removed.
     """
     check_output_dir(folder, tool, overwrite)
+    if folder_owner(folder) == tool:
+        remove_leftover_temporaries(folder)
     os.makedirs(folder, exist_ok=True)
     atomic_write_text(os.path.join(folder, OWNER_MARKER), tool + "\n")
 

@@ -3,7 +3,8 @@ with --head-gates (the pruning itself is ``modules.head_pruning.prune_checkpoint
 
 What a user can get wrong is refused in one line, exit status 2, before anything is written: a
 checkpoint that is missing, empty or truncated, and an output path that already holds a file
-(the user's, which is replaced only with ``--overwrite``) or is the input itself.
+(the user's, which is replaced only with ``--overwrite``), is the input itself, is a folder or
+lies under a regular file. A write that fails anyway (a full disk, no permission) is one line too.
 """
 
 import argparse
@@ -11,7 +12,8 @@ import os
 import sys
 
 from .checkpoint_files import UnreadableCheckpointError, read_checkpoint
-from .file_safety import refuse_same_file
+from .cli_types import output_file
+from .file_safety import describe_os_error, refuse_same_file
 from .modules.head_pruning import heads_table, prune_checkpoint
 
 PROG = "prune_heads.py"
@@ -46,8 +48,10 @@ def check_paths(checkpoint, output, overwrite=False):
     refuse_same_file(checkpoint, output)  # before reading it: the first mistake to name
     if os.path.getsize(checkpoint) == 0:
         raise PruneInputError(f"{checkpoint}: the file is empty, not a checkpoint")
-    if os.path.isdir(output):
-        raise PruneInputError(f"{output} is a folder; give the path of the pruned checkpoint")
+    try:
+        output_file(output)  # a folder, or a path under a regular file
+    except argparse.ArgumentTypeError as error:
+        raise PruneInputError(str(error)) from None
     if os.path.exists(output) and os.path.realpath(output) != os.path.realpath(checkpoint):
         if not overwrite:
             raise PruneInputError(
@@ -71,6 +75,9 @@ def main(argv=None, description=None):
         )
     except (PruneInputError, ValueError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # the output could not be written: the path is the user's to fix
+        print(f"{PROG}: error: output: {describe_os_error(error)}", file=sys.stderr)
         return 2
     print(heads_table(before, after))
     print(f"model parameters: {params_before:,} -> {params_after:,} (written to {args.output})")

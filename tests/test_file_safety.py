@@ -11,6 +11,7 @@ from local_attn_fairseq.file_safety import (
     claim_output_dir,
     exit_on_os_error,
     refuse_same_file,
+    remove_leftover_temporaries,
 )
 
 
@@ -40,6 +41,23 @@ def test_refuse_same_file_sees_links(tmp_path):
     with pytest.raises(ValueError, match="is the input file"):
         refuse_same_file(str(original), str(link))
     refuse_same_file(str(original), str(tmp_path / "c.pt"))
+
+
+def test_only_the_temporary_files_of_atomic_output_are_leftovers(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output(str(tmp_path / "checkpoint_3.pt")) as temporary:
+            killed = temporary  # a kill: the body never finishes ...
+            raise KeyboardInterrupt
+    assert not os.path.exists(killed)  # ... and an exception removes its file; SIGKILL does not
+    leftovers = [".checkpoint_3.pt.0123abcd.tmp", ".train.de.89ef0123.tmp"]
+    kept = [".train.de.tmp", ".x.0123ABCD.tmp", "a.0123abcd.tmp", ".train.de.0123abcd.tmp.1"]
+    for name in leftovers + kept:
+        (tmp_path / name).write_text("")
+    removed = remove_leftover_temporaries(str(tmp_path), "checkpoint*.pt")
+    assert removed == [str(tmp_path / ".checkpoint_3.pt.0123abcd.tmp")]
+    assert remove_leftover_temporaries(str(tmp_path)) == [str(tmp_path / leftovers[1])]
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+    assert remove_leftover_temporaries(str(tmp_path / "absent")) == []
 
 
 def test_claim_output_dir_refuses_foreign_folders(tmp_path):

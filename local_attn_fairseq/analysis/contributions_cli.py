@@ -20,6 +20,7 @@ import random
 import numpy as np
 from tqdm import tqdm
 
+from ..cli_types import non_negative_int, positive_int
 from ..file_safety import atomic_write_text
 from . import contributions as contrib
 from .loading import (
@@ -27,6 +28,7 @@ from .loading import (
     add_checkpoint_arguments,
     add_output_arguments,
     encoder_self_attention_modules,
+    float_between,
     load_model,
     load_subset,
 )
@@ -46,14 +48,20 @@ def add_arguments(parser):
     parser.add_argument("--compare-config-yaml", help="its data config (e.g. config_st.yaml)")
     parser.add_argument("--compare-gen-subset", default="dev_st")
     parser.add_argument("--compare-label", default="ST")
-    parser.add_argument("--num-sentences", type=int, default=400, help="random sample size")
+    parser.add_argument(
+        "--num-sentences", type=positive_int, default=400, help="random sample size"
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed of the random sample")
-    parser.add_argument("--batch-size", type=int, default=16, help="sentences per forward pass")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=16, help="sentences per forward pass"
+    )
+    # contributions are row-normalised shares, so a diagonal's mean lies in [0, 1]
     parser.add_argument(
         "--threshold",
-        type=float,
+        type=float_between(0.0, 1.0),
         default=contrib.DEFAULT_THRESHOLD,
-        help="Algorithm 1's t: least mean contribution of a sub/super-diagonal inside a window",
+        help="Algorithm 1's t, in [0, 1]: least mean contribution (a share of the row) of a "
+        "sub/super-diagonal inside a window",
     )
     parser.add_argument(
         "--window-width-convention",
@@ -65,29 +73,29 @@ def add_arguments(parser):
     )
     parser.add_argument(
         "--max-contribution-loss",
-        type=float,
+        type=float_between(0.0, 1.0),
         default=contrib.DEFAULT_MAX_CONTRIBUTION_LOSS,
-        help="layers whose window leaves out at least this share (CL) stay global in "
-        "windows.txt (the paper's tables separate at 0.25)",
+        help="layers whose window leaves out at least this share (CL, in [0, 1]) stay global "
+        "in windows.txt (the paper's tables separate at 0.25)",
     )
     parser.add_argument(
         "--global-layers",
-        type=int,
-        help="instead of the CL rule, keep exactly the first N layers global (the paper: 3)",
+        type=non_negative_int,
+        help="instead of the CL rule, keep exactly the first N layers global (the paper: 3); "
+        "at most the model's number of encoder layers",
     )
     parser.add_argument(
         "--plot-sentence",
-        type=int,
+        type=non_negative_int,
         default=0,
-        help="which sampled sentence contribution_matrices.png shows (its position in the sample)",
+        help="which sampled sentence contribution_matrices.png shows (its position in the "
+        "sample, 0-based, below --num-sentences and the subset's size)",
     )
     add_output_arguments(parser, output_dir=None)
 
 
 def run(args):
-    if args.num_sentences < 1:
-        raise AnalysisInputError(f"--num-sentences must be >= 1, got {args.num_sentences}")
-    primary = analyse(args.path, args.data, args.config_yaml, args.gen_subset, args)
+    primary = analyse(args.path, args.data, args.config_yaml, args.gen_subset, args, primary=True)
     chosen = contrib.choose_windows(
         primary["layers"], args.max_contribution_loss, args.global_layers
     )
@@ -138,18 +146,31 @@ def sample_batches(task, subset, num_sentences, seed, batch_size):
     return dataset, chunks, drawn
 
 
-def analyse(path, data, config_yaml, subset, args):
-    """Per-layer statistics of one checkpoint over the sample, plus one sentence for the plot."""
+def analyse(path, data, config_yaml, subset, args, primary=False):
+    """Per-layer statistics of one checkpoint over the sample, plus one sentence for the plot.
+    The options that depend on the model and its data are checked before any sentence runs."""
     loaded = load_model(path, data, cpu=args.cpu, config_yaml=config_yaml)
     encoder_self_attention_modules(loaded, path)  # a language model has none: say so
+    encoder_layers = contrib.encoder_layers(loaded.model)
     try:
-        contrib.check_decomposable(contrib.encoder_layers(loaded.model))
+        contrib.check_decomposable(encoder_layers)
     except ValueError as error:  # a model the decomposition does not fit (post-LN, ...)
         raise AnalysisInputError(f"{path}: {error}") from None
+    # --global-layers chooses the windows of the first model only
+    if primary and args.global_layers is not None and args.global_layers > len(encoder_layers):
+        raise AnalysisInputError(
+            f"--global-layers {args.global_layers}: {path} has {len(encoder_layers)} encoder "
+            f"layers; give a number from 0 to {len(encoder_layers)}"
+        )
     dataset, chunks, drawn = sample_batches(
         loaded.task, subset, args.num_sentences, args.seed, args.batch_size
     )
-    plotted = drawn[min(max(args.plot_sentence, 0), len(drawn) - 1)]
+    if args.plot_sentence >= len(drawn):
+        raise AnalysisInputError(
+            f"--plot-sentence {args.plot_sentence}: the sample of {subset!r} for {path} has "
+            f"{len(drawn)} sentences; give a position from 0 to {len(drawn) - 1}"
+        )
+    plotted = drawn[args.plot_sentence]
     layers, plot = None, None
     progress = tqdm(total=len(drawn), desc=f"contributions {os.path.basename(path)}", unit="sent")
     for chunk in chunks:

@@ -53,6 +53,7 @@ from .loading import (
     encoder_self_attention_modules,
     load_model,
     read_sentences,
+    text_lines,
 )
 
 logger = logging.getLogger(__name__)
@@ -94,18 +95,14 @@ def read_conllu(path: str) -> List[DependencyTree]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--conllu: no file {path}")
     trees, block, start = [], [], 0
-    try:
-        with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                line = line.rstrip("\n").rstrip("\r")
-                if line.strip():
-                    start = start or number
-                    block.append((number, line))
-                elif block:
-                    trees.append(_parse_sentence(path, block, start))
-                    block, start = [], 0
-    except UnicodeDecodeError as error:
-        raise AnalysisInputError(f"{path}: not UTF-8 text ({error})") from error
+    for number, line in text_lines(path, "--conllu"):
+        line = line.rstrip("\n").rstrip("\r")
+        if line.strip():
+            start = start or number
+            block.append((number, line))
+        elif block:
+            trees.append(_parse_sentence(path, block, start))
+            block, start = [], 0
     if block:
         trees.append(_parse_sentence(path, block, start))
     if not trees:
@@ -340,8 +337,9 @@ class SourceSyntax:
                 raise AnalysisInputError(
                     "--spacy-model parses raw text: it needs --source-text FILE"
                 )
-            with open(args.source_text, encoding="utf-8") as lines:
-                sentences = [line.strip() for line in lines]
+            if not os.path.isfile(args.source_text):
+                raise FileNotFoundError(f"--source-text: no text file {args.source_text}")
+            sentences = [line.strip() for _, line in text_lines(args.source_text, "--source-text")]
             return cls(parse_with_spacy(sentences, spacy_model), f"spaCy {spacy_model}", carrier)
         return None
 

@@ -19,6 +19,7 @@ from typing import Dict
 
 import numpy as np
 
+from ..cli_types import non_negative_int, positive_int
 from .dependencies import SourceSyntax
 from .head_roles import ROLES, HeadStatistics, Thresholds, role_label
 from .loading import (
@@ -26,6 +27,7 @@ from .loading import (
     AnalysisInputError,
     add_common_arguments,
     attention_modules,
+    float_between,
     head_numbers,
     load_model,
     read_sentences,
@@ -39,18 +41,21 @@ HELP = "confidence, LRP relevance and roles (positional, syntactic, rare words) 
 # Voita et al.'s colours: positional purple, syntactic green, rare words orange.
 ROLE_COLOURS = {"positional": "#8e44ad", "syntactic": "#27ae60", "rare words": "#e67e22"}
 NO_ROLE_COLOUR = "#d5d8dc"
-# option -> (the field of head_roles.Thresholds it sets, and whose default it takes; help)
+# the shares and margins lie in [0, 1] (head_roles.Thresholds): refused with the option's name
+SHARE = float_between(0.0, 1.0)
+# option -> (the field of head_roles.Thresholds it sets, and whose default it takes; its type;
+# help)
 THRESHOLD_OPTIONS = {
-    "--positional-threshold": ("positional", "least share of a head's choices at one relative "
-                               "position for the positional role"),
-    "--syntactic-margin": ("syntactic_margin", "least accuracy above the positional baseline "
-                           "for the syntactic role"),
-    "--min-relation-queries": ("min_relation_queries", "least number of query tokens in a "
-                               "relation for its accuracy to count"),
-    "--rare-threshold": ("rare", "least share of choices on the sentence's rarest token for the "
-                         "rare-words role"),
-    "--rare-top-n": ("rare_top_n", "sentences whose rarest token is among the N most frequent "
-                     "are left out of the rare-words measure"),
+    "--positional-threshold": ("positional", SHARE, "least share of a head's choices at one "
+                               "relative position for the positional role, in [0, 1]"),
+    "--syntactic-margin": ("syntactic_margin", SHARE, "least accuracy above the positional "
+                           "baseline for the syntactic role, in [0, 1]"),
+    "--min-relation-queries": ("min_relation_queries", positive_int, "least number of query "
+                               "tokens in a relation for its accuracy to count (at least 1)"),
+    "--rare-threshold": ("rare", SHARE, "least share of choices on the sentence's rarest token "
+                         "for the rare-words role, in [0, 1]"),
+    "--rare-top-n": ("rare_top_n", non_negative_int, "sentences whose rarest token is among the "
+                     "N most frequent are left out of the rare-words measure (0: none)"),
 }  # fmt: skip
 
 
@@ -74,16 +79,15 @@ def add_arguments(parser):
     group.add_argument(
         "--lrp-alpha",
         default=Rule.alpha,
-        type=float,
-        help="alpha-beta: the part of the relevance shared by positive contributions",
+        type=SHARE,
+        help="alpha-beta: the part of the relevance shared by positive contributions, in [0, 1]",
     )
     group.add_argument(
         "--no-relevance", action="store_true", help="skip LRP (faster: confidence and roles)"
     )
     defaults = Thresholds()
-    for option, (field, text) in THRESHOLD_OPTIONS.items():
-        default = getattr(defaults, field)
-        group.add_argument(option, type=type(default), default=default, help=text)
+    for option, (field, parse, text) in THRESHOLD_OPTIONS.items():
+        group.add_argument(option, type=parse, default=getattr(defaults, field), help=text)
 
 
 def run(args):

@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from ..checkpoint_files import UnreadableCheckpointError, read_checkpoint
 from ..modules.local_multihead_attention import LocalMultiheadAttention
-from .output import claim_output_folder
+from .output import claim_output_folder, staged_results
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +85,22 @@ EXPECTED_ERRORS = (
 def reports_input_errors(run):
     """Wrap a subcommand's ``run(args)``: input errors (a missing or unreadable file, an output
     folder of someone else's) print ``local-attn-analyze: error: ...`` on stderr and give exit
-    status 2. Only these expected errors are caught: a bug still shows its traceback."""
+    status 2. Only these expected errors are caught: a bug still shows its traceback.
+
+    The run's files are staged and moved into ``--output-dir`` together when it succeeds
+    (:func:`output.staged_results`): a failed or killed run never leaves a mixture of two runs.
+    """
 
     @functools.wraps(run)
     def checked(args):
         try:
-            if getattr(args, "output_dir", None):
-                claim_output_folder(args.output_dir, getattr(args, "overwrite", False))
-            return run(args)
+            output_dir = getattr(args, "output_dir", None)
+            if not output_dir:
+                return run(args)
+            claim_output_folder(output_dir, getattr(args, "overwrite", False))
+            subcommand = getattr(args, "subcommand", None) or run.__module__.rsplit(".", 1)[-1]
+            with staged_results(output_dir, subcommand):
+                return run(args)
         except EXPECTED_ERRORS as error:
             name = " ".join(filter(None, ["local-attn-analyze", getattr(args, "subcommand", None)]))
             print(f"{name}: error: {error}", file=sys.stderr)
@@ -184,6 +192,41 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
+
+
+def float_between(low: float, high: float):
+    """An argparse ``type``: a number in [low, high] (a share, a fraction); NaN is refused."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not low <= value <= high:  # also false for NaN
+            raise argparse.ArgumentTypeError(f"must lie in [{low:g}, {high:g}], got {text}")
+        return value
+
+    parse.__name__ = f"number in [{low:g}, {high:g}]"  # argparse names the type in messages
+    return parse
+
+
+def text_lines(path: str, option: str = "") -> Iterator[Tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file, as ``open(path, encoding="utf-8")`` gives
+    them; a byte that is not UTF-8 is an :class:`AnalysisInputError` naming the option, the file
+    and the line, instead of a UnicodeDecodeError traceback in the middle of a run."""
+    # surrogateescape turns each undecodable byte into one lone surrogate (U+DC80..U+DCFF),
+    # which valid UTF-8 never decodes to: the line and column are then known exactly
+    with open(path, encoding="utf-8", errors="surrogateescape") as lines:
+        for number, line in enumerate(lines, start=1):
+            bad = next((i for i, c in enumerate(line) if "\udc80" <= c <= "\udcff"), None)
+            if bad is not None:
+                byte = ord(line[bad]) - 0xDC00
+                named = f"{option} {path}" if option else path
+                raise AnalysisInputError(
+                    f"{named}, line {number}: not UTF-8 text (byte 0x{byte:02x} at character "
+                    f"{bad + 1}); save the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)"
+                )
+            yield number, line
 
 
 @dataclass
@@ -295,10 +338,10 @@ def text_dataset(loaded: LoadedModel, args) -> LanguagePairDataset:
     """A fairseq dataset of the raw text files, encoded as the model's training data was."""
     encode = piece_encoder(args.sentencepiece_model)
     src_dict, tgt_dict = loaded.source_dictionary, loaded.target_dictionary
-    sources = encode_lines(args.source_text, encode, src_dict)
+    sources = encode_lines(args.source_text, encode, src_dict, option="--source-text")
     targets = None
     if args.target_text:
-        targets = encode_lines(args.target_text, encode, tgt_dict)
+        targets = encode_lines(args.target_text, encode, tgt_dict, option="--target-text")
         if len(targets) != len(sources):
             raise AnalysisInputError(
                 f"--target-text {args.target_text} has {len(targets)} lines but --source-text "
@@ -328,23 +371,23 @@ def piece_encoder(model_file: Optional[str]):
     return lambda line: processor.encode(line, out_type=str)
 
 
-def encode_lines(path: str, encode, dictionary) -> List[Tensor]:
+def encode_lines(path: str, encode, dictionary, option: str = "") -> List[Tensor]:
+    """The lines of a text file (named by `option` in errors) as the dictionary's token ids."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no text file {path}")
+        raise FileNotFoundError(f"{option + ': ' if option else ''}no text file {path}")
     encoded, unknown, total = [], 0, 0
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            pieces = encode(line.strip())
-            if not pieces:
-                raise AnalysisInputError(
-                    f"{path}, line {number}: empty line (every line is a sentence)"
-                )
-            ids = dictionary.encode_line(
-                " ".join(pieces), add_if_not_exist=False, append_eos=True
-            ).long()
-            unknown += int((ids == dictionary.unk()).sum())
-            total += len(pieces)
-            encoded.append(ids)
+    for number, line in text_lines(path, option):
+        pieces = encode(line.strip())
+        if not pieces:
+            raise AnalysisInputError(
+                f"{path}, line {number}: empty line (every line is a sentence)"
+            )
+        ids = dictionary.encode_line(
+            " ".join(pieces), add_if_not_exist=False, append_eos=True
+        ).long()
+        unknown += int((ids == dictionary.unk()).sum())
+        total += len(pieces)
+        encoded.append(ids)
     if not encoded:
         raise AnalysisInputError(f"{path} has no sentences")
     if unknown > MAX_UNKNOWN_FRACTION * total:

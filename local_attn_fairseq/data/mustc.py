@@ -38,7 +38,13 @@ from multiprocessing import Pool
 import numpy as np
 
 from ..cli_types import non_negative_int, positive_int
-from ..file_safety import atomic_output, atomic_write_text, claim_output_dir
+from ..file_safety import (
+    atomic_output,
+    atomic_write_text,
+    claim_output_dir,
+    describe_os_error,
+    exit_on_os_error,
+)
 
 TOOL = "prepare_mustc"
 KNOWN_SPLITS = ("train", "dev", "tst-COMMON", "tst-HE")
@@ -98,8 +104,14 @@ class Drop:
 def read_text_lines(path):
     if not os.path.isfile(path):
         raise PreparationError(f"{path}: file not found")
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise PreparationError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})")
+    lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the newline closing the last line
     return [line.rstrip("\r") for line in lines]
@@ -558,7 +570,8 @@ def prepare(args):
     if "train" not in splits:
         raise PreparationError(f"{lang_dir}/data/train: not found (vocabularies are trained on it)")
     out_dir = os.path.abspath(args.out_dir or lang_dir)
-    claim_out_dir(out_dir, output_names(args, splits), args.overwrite)
+    with exit_on_os_error("--out-dir"):  # refused before any audio is read
+        claim_out_dir(out_dir, output_names(args, splits), args.overwrite)
 
     split_segments = {split: load_split(args.mustc_root, args.lang, split) for split in splits}
     with Pool(args.workers) as pool:
@@ -668,6 +681,8 @@ def main(argv=None):
         prepare(args)
     except PreparationError as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # an unreadable corpus file, a full disk: the path and the problem
+        sys.exit(f"error: {describe_os_error(e)}")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from ..cli_types import non_negative_int, positive_int
 from ..file_safety import (
     atomic_write_text,
     claim_output_dir,
+    exit_on_os_error,
     replace_own_dir,
 )
 
@@ -245,17 +246,16 @@ def main(argv=None):
     if shutil.which("espeak-ng") is None:
         sys.exit("error: espeak-ng not found; install it with 'apt-get install espeak-ng'")
 
-    pairs = load_pairs(args, sizes)
-    try:
+    with exit_on_os_error("--pairs-dir" if args.pairs_dir else "--source"):
+        pairs = load_pairs(args, sizes)
+    with exit_on_os_error("--out-dir"):
         claim_output_dir(args.out_dir, TOOL, args.overwrite)
-    except FileExistsError as e:
-        sys.exit(f"error: --out-dir {e}")
-    for split in SPLITS:  # refuse a foreign split folder before any synthesis starts
-        split_dir = os.path.join(args.out_dir, "en-de", "data", split)
-        if os.path.exists(split_dir):
-            claim_split_dir(split_dir)
+        for split in SPLITS:  # refuse a foreign split folder before any synthesis starts
+            split_dir = os.path.join(args.out_dir, "en-de", "data", split)
+            if os.path.exists(split_dir):
+                claim_split_dir(split_dir)
     next_talk_id = 1
-    with Pool(args.workers) as pool:
+    with exit_on_os_error("--out-dir"), Pool(args.workers) as pool:
         for split in SPLITS:
             next_talk_id += synthesize_split(
                 args.out_dir, split, pairs[split], next_talk_id, args.utterances_per_talk,

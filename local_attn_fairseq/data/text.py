@@ -5,6 +5,17 @@ segments and binarises text the same way.
 """
 
 import os
+import re
+
+
+class VocabularyTooLarge(ValueError):
+    """sentencepiece cannot make ``requested`` pieces from the data: it allows ``largest``."""
+
+    def __init__(self, requested, largest):
+        super().__init__(
+            f"vocabulary size {requested} is too large for the data: at most {largest}"
+        )
+        self.requested, self.largest = requested, largest
 
 
 def train_sentencepiece(
@@ -33,7 +44,15 @@ def train_sentencepiece(
     )
     if max_sentences:
         options.update(input_sentence_size=max_sentences, shuffle_input_sentence=True)
-    spm.SentencePieceTrainer.train(**options)
+    try:
+        spm.SentencePieceTrainer.train(**options)
+    except RuntimeError as error:
+        # sentencepiece's "Vocabulary size too high (4000). Please set it to a value <= 606.":
+        # a corpus too small for the size asked, which the caller reports against its option.
+        largest = re.search(r"Vocabulary size too high .*<= (\d+)", str(error))
+        if largest is None:
+            raise
+        raise VocabularyTooLarge(vocab_size, int(largest.group(1))) from None
     return f"{prefix}.model"
 
 

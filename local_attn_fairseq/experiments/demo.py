@@ -22,16 +22,24 @@ small-scale study and the training-throughput benchmark.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import statistics
+import sys
 import time
 
 from ..cli_types import positive_int
 from ..data import bible, ding
-from ..data.text import encode_file, has_binarised, preprocess_argv, train_sentencepiece
-from ..file_safety import atomic_write_text
+from ..data.text import (
+    VocabularyTooLarge,
+    encode_file,
+    has_binarised,
+    preprocess_argv,
+    train_sentencepiece,
+)
+from ..file_safety import atomic_write_text, claim_output_dir, exit_on_os_error
 from .fairseq_runner import (
     USER_DIR,
     RunFailed,
@@ -73,6 +81,10 @@ CORPORA = {
 DEFAULT_CORPUS = "bible-en-es"
 DING_CORPUS = "ding-de-en"  # the corpus of the pruning demo and the training-throughput benchmark
 DEFAULT_WORK_DIR = "demo_runs"  # in the current directory: the repository's when make runs it
+# The owner named in the marker of a work folder. One name for the demos, the pruning demo, the
+# speech demo, the study and the training-throughput benchmark: they share data folders by
+# design (the pruning demo and the benchmark read the Ding demo's demo_runs/).
+WORK_DIR_OWNER = "local_attn_fairseq demos"
 PROGRESS_LOG_INTERVAL = 20
 MODELS = [
     ("transformer (baseline)", "transformer", ["--user-dir", USER_DIR]),
@@ -93,8 +105,11 @@ def corpus_work_dir(work, corpus):
     return work if corpus == DING_CORPUS else os.path.join(work, corpus)
 
 
-def data_dir_for(work, vocab_size, max_train=None):
+def data_dir_for(work, vocab_size, max_train=None, test_size=None):
+    """The folder of one corpus preparation, named by every setting that changes its data, so
+    that a run with other settings never reuses it (nor the models trained under it)."""
     name = f"data_spm{vocab_size}" + (f"_train{max_train}" if max_train else "")
+    name += f"_test{test_size}" if test_size else ""
     path = os.path.join(work, name)
     os.makedirs(path, exist_ok=True)
     return path
@@ -109,9 +124,17 @@ def prepare_data(work, corpus, vocab_size, max_train=None, test_size=None):
         module.main(["--out-dir", raw, *limit])
     if not os.path.exists(os.path.join(spm_dir, f"test.{tgt}")):
         os.makedirs(spm_dir, exist_ok=True)
-        model = train_sentencepiece(
-            [f"{raw}/train.{src}", f"{raw}/train.{tgt}"], os.path.join(spm_dir, "spm"), vocab_size
-        )
+        try:
+            model = train_sentencepiece(
+                [f"{raw}/train.{src}", f"{raw}/train.{tgt}"],
+                os.path.join(spm_dir, "spm"),
+                vocab_size,
+            )
+        except VocabularyTooLarge as error:  # a small --max-train: the user's to fix, one line
+            sys.exit(
+                f"error: --vocab-size {vocab_size}: the training data allows at most "
+                f"{error.largest}; pass --vocab-size {error.largest} or less, or more --max-train"
+            )
         for split in ("train", "valid", "test"):
             for lang in (src, tgt):
                 encode_file(model, f"{raw}/{split}.{lang}", f"{spm_dir}/{split}.{lang}")
@@ -126,8 +149,10 @@ def prepare_data(work, corpus, vocab_size, max_train=None, test_size=None):
     return bin_dir
 
 
-def model_dir(work, arch, epochs):
-    return os.path.join(work, f"{arch}_e{epochs}")
+def model_dir(data_dir, arch, epochs):
+    """A model's run folder, inside the folder of the data it trains on: runs on other data
+    settings (vocabulary, training pairs, test split) are other folders, never reused."""
+    return os.path.join(data_dir, f"{arch}_e{epochs}")
 
 
 def training_job(label, bin_dir, options, epochs, save_dir):
@@ -150,7 +175,7 @@ def train_unfinished(jobs, side_by_side):
     return unfinished
 
 
-def train_all(bin_dir, work, epochs):
+def train_all(bin_dir, data_dir, epochs):
     """Train every model at once, the cores split between them; returns (checkpoint, log) each.
 
     Small models use two threads poorly, so side by side they finish sooner than one after
@@ -159,7 +184,7 @@ def train_all(bin_dir, work, epochs):
     jobs = [
         training_job(
             label, bin_dir, ["--arch", arch, *extra, *MODEL_DIMS, *SCHEDULE], epochs,
-            model_dir(work, arch, epochs),
+            model_dir(data_dir, arch, epochs),
         )  # fmt: skip
         for label, arch, extra in MODELS
     ]
@@ -221,9 +246,37 @@ def results_table(rows):
 
 
 def add_work_dir(parser, default, holds):
-    """--work-dir: a folder of the current directory by default (the repository's under make)."""
-    help = f"{holds} (default: {default}/ in the current directory)"
+    """--work-dir: a folder of the current directory by default (the repository's under make),
+    and --overwrite to write into a folder that the demos did not create (see claimed_work_dir)."""
+    where = "" if os.path.isabs(default) else " in the current directory"
+    help = f"{holds} (default: {default}/{where})"
     parser.add_argument("--work-dir", default=default, help=help)
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --work-dir that the demos did not create (nothing in it "
+        "is deleted; files of the same names are replaced)",
+    )
+
+
+@contextlib.contextmanager
+def claimed_work_dir(args):
+    """Claim ``args.work_dir`` for the demos before any work, and end the program with one line
+    naming --work-dir for a refused or unusable folder (a path under a regular file, no
+    permission), then or during the work that follows in the block."""
+    folder = os.path.abspath(args.work_dir)
+    with exit_on_os_error("--work-dir"):
+        # Folders created on the way are the demos' too: the speech demo's demo_runs/speech,
+        # made first, must leave a demo_runs/ that the text demo may use.
+        missing = []
+        parent = os.path.dirname(folder)
+        while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for created in reversed(missing):
+            claim_output_dir(created, WORK_DIR_OWNER)
+        claim_output_dir(folder, WORK_DIR_OWNER, args.overwrite)
+        yield
 
 
 def parse_args(argv):
@@ -264,16 +317,15 @@ def parse_args(argv):
 def run_demo(args):
     _, tgt, _, corpus_name, _ = CORPORA[args.corpus]
     work = corpus_work_dir(os.path.abspath(args.work_dir), args.corpus)
-    data_dir = data_dir_for(work, args.vocab_size, args.max_train)
-    if args.test_size:
-        data_dir = f"{data_dir}_test{args.test_size}"
+    data_dir = data_dir_for(work, args.vocab_size, args.max_train, args.test_size)
     started = time.time()
     bin_dir = prepare_data(data_dir, args.corpus, args.vocab_size, args.max_train, args.test_size)
     with open(os.path.join(data_dir, "raw", f"test.{tgt}"), encoding="utf-8") as f:
         test_size = sum(1 for _ in f)
 
     rows = []
-    for (label, _, _), (checkpoint, log) in zip(MODELS, train_all(bin_dir, work, args.epochs)):
+    trained = train_all(bin_dir, data_dir, args.epochs)
+    for (label, _, _), (checkpoint, log) in zip(MODELS, trained):
         generated = os.path.join(os.path.dirname(checkpoint), "generate-test.txt")
         rows.append(
             {
@@ -298,4 +350,5 @@ def run_demo(args):
 def main(argv=None):
     args = parse_args(argv)
     console_logging()
-    exit_on_failure(run_demo, args)
+    with claimed_work_dir(args):
+        exit_on_failure(run_demo, args)

@@ -374,6 +374,10 @@ def report(results: Sequence[RowResult], settings: str, cuda: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The first words of the benchmark's table (and of its --output file).
+TABLE_START = "host overhead per call ("
+
+
 def settings_line(device: torch.device, rounds: int, calls: int, padding_mask: bool) -> str:
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)} (host time: issuing the calls; GPU time: "
@@ -382,7 +386,7 @@ def settings_line(device: torch.device, rounds: int, calls: int, padding_mask: b
         where = f"CPU, torch threads {torch.get_num_threads()}"
     mask = "an all-False key_padding_mask" if padding_mask else "key_padding_mask None"
     return (
-        f"host overhead per call (forward + backward, float32), {where}, torch "
+        f"{TABLE_START}forward + backward, float32), {where}, torch "
         f"{torch.__version__}; median of {rounds} rounds x {calls} calls, ours and peer "
         f"alternating; modules in training mode, {mask}; ratio = ours / peer (medians)"
     )

@@ -4,12 +4,18 @@ CPU or GPU, and the useful work and the least memory traffic of one banded atten
 Shared by the benchmarks: every one measures the implementations it compares the same way.
 """
 
+import argparse
+import errno
+import json
+import os
 import time
 from typing import Callable, Dict, Iterable, List, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from ..file_safety import atomic_write_text, exit_on_os_error
 
 
 def synchronize(device):
@@ -182,3 +188,63 @@ def operations_per_call(call: Callable[[], None]) -> int:
     with OperationCounter() as counter:
         call()
     return counter.count
+
+
+# The benchmarks' output files. A benchmark replaces an existing --output or --json only when it
+# recognises the file as one it wrote (a later run of the same table); any other file is the
+# user's, replaced only with --overwrite. Checked before measuring: a run can take hours.
+
+
+def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing output file even if this benchmark did not write it",
+    )
+
+
+def starts_with(first_words: str) -> Callable[[str], bool]:
+    """A file of a benchmark whose tables begin with `first_words` (their settings line)."""
+    return lambda text: text.startswith(first_words)
+
+
+def is_record_list(text: str) -> bool:
+    """A file of ``banded_attention.py --json``: a JSON list of records of routes and cells."""
+    try:
+        records = json.loads(text)
+    except ValueError:
+        return False
+    keys = {"route", "mode", "T", "w"}
+    return isinstance(records, list) and all(
+        isinstance(record, dict) and keys <= set(record) for record in records
+    )
+
+
+def check_output_file(
+    path: str, option: str, written_here: Callable[[str], bool], overwrite: bool = False
+) -> None:
+    """End the program with one line naming `option` (status 1) where `path` is an existing
+    file that `written_here(its text)` does not recognise (unless `overwrite`), or its folder
+    cannot be made or written in. (A folder, or a path under a regular file, is refused by the
+    option's type, ``cli_types.output_file``.)"""
+    with exit_on_os_error(option):
+        if os.path.isfile(path) and not overwrite:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+            if not written_here(text):
+                raise FileExistsError(
+                    errno.EEXIST,
+                    "exists and is not a file this benchmark wrote; choose another path, or "
+                    "pass --overwrite to replace it",
+                    path,
+                )
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(errno.EACCES, "no permission to write in this folder", folder)
+
+
+def write_output_file(path: str, option: str, text: str) -> None:
+    """Write a checked output (`check_output_file`) atomically; a failure is one line."""
+    with exit_on_os_error(option):
+        atomic_write_text(path, text)

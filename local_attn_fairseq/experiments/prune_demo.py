@@ -15,9 +15,11 @@ Figure 7) to ``WORK/pruning/results.md``.
 
 import argparse
 import json
+import math
 import os
 import time
 
+from ..cli_types import positive_int
 from ..file_safety import atomic_write_text
 from . import demo
 from .fairseq_runner import USER_DIR, exit_on_failure
@@ -28,13 +30,13 @@ ENCODER_HEADS = 48  # the demo's 6 layers x 8 heads
 SIDE_BY_SIDE = len(demo.MODELS)
 
 
-def train_baseline(bin_dir, work, epochs):
+def train_baseline(bin_dir, data_dir, epochs):
     """The Ding demo's baseline Transformer (the one ``make demo DEMO_ARGS="--corpus ding-de-en"``
-    trains, reused when it has)."""
+    trains on the same data settings, reused when it has)."""
     label, arch, extra = demo.MODELS[0]
     job = demo.training_job(
         label, bin_dir, ["--arch", arch, *extra, *demo.MODEL_DIMS, *demo.SCHEDULE], epochs,
-        demo.model_dir(work, arch, epochs),
+        demo.model_dir(data_dir, arch, epochs),
     )  # fmt: skip
     demo.train_unfinished([job], SIDE_BY_SIDE)
     return demo.checkpoint_of(job)
@@ -66,15 +68,48 @@ def results_table(rows):
     return "\n".join(lines)
 
 
+def lambda_list(text):
+    """An argparse ``type`` for --lambdas: distinct positive numbers, comma-separated. Parsed
+    with the other options, so that a typo fails before data preparation and the baseline's
+    training, not after; two equal lambdas would train side by side into one folder."""
+    values, names = [], set()
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated numbers, got {item.strip()!r}"
+            ) from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"a lambda must be a positive number, got {item!r}")
+        if f"{value:g}" in names:  # the run folder's name: lambda{value:g}
+            raise argparse.ArgumentTypeError(f"{value:g} is given twice")
+        names.add(f"{value:g}")
+        values.append(value)
+    return values
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     demo.add_work_dir(parser, demo.DEFAULT_WORK_DIR, "the demo's folder")
-    parser.add_argument("--epochs", type=int, default=int(os.environ.get("DEMO_EPOCHS", 16)))
-    parser.add_argument("--lambdas", default="0.02,0.05,0.1,0.2")
-    parser.add_argument("--finetune-epochs", type=int, default=3)
+    parser.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=os.environ.get("DEMO_EPOCHS") or "16",  # a string default goes through the type
+        help="epochs of the baseline (env DEMO_EPOCHS; default 16, the Ding demo's)",
+    )
+    parser.add_argument(
+        "--lambdas",
+        type=lambda_list,
+        default="0.02,0.05,0.1,0.2",
+        help="L0 penalties, one fine-tuning each: distinct positive numbers, comma-separated",
+    )
+    parser.add_argument("--finetune-epochs", type=positive_int, default=3)
     parser.add_argument("--log-alpha-init", type=float, default=1.0)
-    parser.add_argument("--vocab-size", type=int, default=demo.DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--max-train", type=int, default=None)
+    parser.add_argument("--vocab-size", type=positive_int, default=demo.DEFAULT_VOCAB_SIZE)
+    parser.add_argument(
+        "--max-train", type=positive_int, default=None, help="train on this many pairs only"
+    )
     return parser.parse_args(argv)
 
 
@@ -83,13 +118,17 @@ def run_demo(args):
     work = os.path.abspath(args.work_dir)
     data_dir = demo.data_dir_for(work, args.vocab_size, args.max_train)
     bin_dir = demo.prepare_data(data_dir, demo.DING_CORPUS, args.vocab_size, args.max_train)
-    baseline = train_baseline(bin_dir, work, args.epochs)
-    out_dir = os.path.join(work, "pruning")
+    baseline = train_baseline(bin_dir, data_dir, args.epochs)
+    out_dir = os.path.join(work, "pruning")  # the results, where they have always been
     os.makedirs(out_dir, exist_ok=True)
     rows = [{"lambda": 0.0, "encoder_heads": ENCODER_HEADS, "bleu_gated": None}]
-    rows[0]["bleu_pruned"] = demo.bleu(bin_dir, baseline, os.path.join(out_dir, "base.txt"))
-    lambdas = [float(x) for x in args.lambdas.split(",")]
-    run_dirs = [os.path.join(out_dir, f"lambda{l0:g}_ft{args.finetune_epochs}") for l0 in lambdas]
+    # the demo's own scoring of this baseline (same file name), shared when the demo ran first
+    base_scores = os.path.join(os.path.dirname(baseline), "generate-test.txt")
+    rows[0]["bleu_pruned"] = demo.bleu(bin_dir, baseline, base_scores)
+    lambdas = args.lambdas
+    # the fine-tunings live under the baseline they start from: keyed by its data and epochs
+    runs = os.path.join(os.path.dirname(baseline), "pruning")
+    run_dirs = [os.path.join(runs, f"lambda{l0:g}_ft{args.finetune_epochs}") for l0 in lambdas]
     jobs = [
         gated_job(bin_dir, baseline, run_dir, l0, args.finetune_epochs, args.log_alpha_init)
         for l0, run_dir in zip(lambdas, run_dirs)
@@ -119,4 +158,6 @@ def run_demo(args):
 
 
 def main(argv=None):
-    exit_on_failure(run_demo, parse_args(argv))
+    args = parse_args(argv)
+    with demo.claimed_work_dir(args):
+        exit_on_failure(run_demo, args)

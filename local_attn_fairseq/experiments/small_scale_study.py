@@ -73,6 +73,19 @@ def study_schedule():
     return study.without_options(demo.SCHEDULE, {"--seed": 1, "--no-last-checkpoints": 0})
 
 
+def seed_list(text):
+    """An argparse ``type`` for --seeds: distinct non-negative whole numbers, comma-separated.
+    fairseq refuses a negative seed only after the data is prepared, and a seed given twice
+    would be one run counted twice in the mean over seeds."""
+    seeds = []
+    for item in text.split(","):
+        seed = non_negative_int(item.strip())  # its ArgumentTypeError names the bad value
+        if seed in seeds:
+            raise argparse.ArgumentTypeError(f"seed {seed} is given twice")
+        seeds.append(seed)
+    return seeds
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -99,7 +112,12 @@ def parse_args(argv):
         help="stop a run when validation loss has not improved for this many validations "
         "(one per epoch; default 3)",
     )
-    parser.add_argument("--seeds", default="1,2,3", help="comma-separated training seeds")
+    parser.add_argument(
+        "--seeds",
+        type=seed_list,
+        default="1,2,3",
+        help="comma-separated training seeds: distinct whole numbers, 0 or more",
+    )
     parser.add_argument(
         "--models",
         default=",".join(study.MODELS),
@@ -153,19 +171,13 @@ def parse_args(argv):
         if unknown:
             names = ", ".join(sorted(unknown))
             parser.error(f"{option}: unknown {names} (known: {', '.join(known)})")
-    try:
-        args.seed_list = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        parser.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    args.seed_list = args.seeds
     return args
 
 
 def prepare(corpus, work, args, max_train):
     """The corpus binarised for fairseq, in a data folder named after its settings."""
-    data_dir = demo.data_dir_for(work, args.vocab_size, max_train)
-    if args.test_size:
-        data_dir = f"{data_dir}_test{args.test_size}"
-        os.makedirs(data_dir, exist_ok=True)
+    data_dir = demo.data_dir_for(work, args.vocab_size, max_train, args.test_size)
     bin_dir = demo.prepare_data(data_dir, corpus, args.vocab_size, max_train, args.test_size)
     src, tgt, _, description, _ = demo.CORPORA[corpus]
     counts = {}
@@ -221,4 +233,6 @@ def run_study(args, argv):
 def main(argv=None):
     args = parse_args(argv)
     console_logging()
-    exit_on_failure(run_study, args, argv)
+    # the demos' owner: the study prepares its data as the demos do, and may share their folder
+    with demo.claimed_work_dir(args):
+        exit_on_failure(run_study, args, argv)

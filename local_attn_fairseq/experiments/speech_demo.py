@@ -28,7 +28,13 @@ import time
 
 from ..cli_types import positive_int
 from ..file_safety import atomic_write_text
-from .demo import add_work_dir, generated_score, train_unfinished, training_job
+from .demo import (
+    add_work_dir,
+    claimed_work_dir,
+    generated_score,
+    train_unfinished,
+    training_job,
+)
 from .fairseq_runner import USER_DIR, exit_on_failure, run_python, run_tool, up_to_date
 
 ARCH = "s2t_transformer_local_tiny"
@@ -230,4 +236,6 @@ def run_demo(args):
 
 
 def main(argv=None):
-    exit_on_failure(run_demo, parse_args(argv))
+    args = parse_args(argv)
+    with claimed_work_dir(args):  # the demos' owner: demo_runs/speech is inside demo_runs/
+        exit_on_failure(run_demo, args)

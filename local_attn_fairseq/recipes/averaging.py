@@ -7,7 +7,9 @@ is the recipes' version: checkpoints saved with ``--save-interval-updates`` are 
 number (else the per-epoch ones by epoch), the last N are averaged element-wise in float64,
 and the result is written with the other fields (configuration, optimizer history) of the
 newest one, so fairseq-generate and fairseq-eval-lm load it like any checkpoint. The output
-must not be one of the averaged checkpoints; it is written to a temporary file renamed into place.
+must not be one of the averaged checkpoints; it is written to a temporary file renamed into place,
+and an existing file there is replaced only with ``--overwrite``. A checkpoint that cannot be read
+(truncated, empty) is named in one line.
 
 The average stage of a recipe row (``average``) averages its last checkpoints and, for a row
 with ``prune``, removes the heads whose gates closed (``modules.head_pruning``).
@@ -21,7 +23,9 @@ import sys
 
 import torch
 
-from ..file_safety import atomic_output, atomic_write_text, refuse_same_file
+from ..checkpoint_files import UnreadableCheckpointError, read_checkpoint
+from ..cli_types import output_file, positive_int
+from ..file_safety import atomic_output, atomic_write_text, exit_on_os_error, refuse_same_file
 from ..modules.head_pruning import heads_table, prune_checkpoint
 from .config import RecipeError
 
@@ -50,7 +54,7 @@ def average_checkpoints(paths, output):
         refuse_same_file(path, output)
     total, newest = None, None
     for path in paths:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = read_checkpoint(path)  # UnreadableCheckpointError names a truncated file
         weights = state["model"]
         if total is None:
             total = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
@@ -90,7 +94,7 @@ def average(run, row):
     """The average stage of ``row`` in the workspace ``run`` (``workspace.RecipeWorkspace``)."""
     save_dir = os.path.join(run.row_dir(row["name"]), "checkpoints")
     averaged = run.averaged(row["name"])
-    last = int(row["average"].get("last", 1))
+    last = row["average"].get("last", 1)  # checked by config.get_row
     if run.dry_run:
         print(f"$ python scripts/recipes/average_checkpoints.py {save_dir} {averaged} "
               f"--last {last}")  # fmt: skip
@@ -99,7 +103,13 @@ def average(run, row):
             paths = last_checkpoints(save_dir, last)
         except FileNotFoundError as error:
             raise RecipeError(str(error)) from None  # the train stage has not run
-        average_checkpoints(paths, averaged)
+        try:
+            average_checkpoints(paths, averaged)
+        except UnreadableCheckpointError as error:
+            raise RecipeError(
+                f"{error}. Move it out of {save_dir} and run the average stage again (it then "
+                "averages the checkpoints before it), or train the row again in a new --work-dir"
+            ) from None
         print(f"| averaged {len(paths)} checkpoints -> {averaged}")
     if row["prune"]:
         prune(run, row)
@@ -119,15 +129,38 @@ def prune(run, row):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("save_dir", help="directory of a fairseq-train run (--save-dir)")
-    parser.add_argument("output", help="where to write the averaged checkpoint")
-    parser.add_argument("--last", type=int, default=5, help="how many checkpoints (default 5)")
+    parser.add_argument(
+        "output", type=output_file, help="where to write the averaged checkpoint"
+    )
+    parser.add_argument(
+        "--last", type=positive_int, default=5, help="how many checkpoints (default 5)"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing file at OUTPUT (by default it is refused, so that a mistyped "
+        "output never destroys a file)",
+    )
     args = parser.parse_args(argv)
+    with exit_on_os_error("save_dir"):  # an unreadable folder
+        try:
+            paths = last_checkpoints(args.save_dir, args.last)
+        except FileNotFoundError as e:  # no checkpoint in it
+            sys.exit(f"error: {e}")
     try:
-        paths = last_checkpoints(args.save_dir, args.last)
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    try:
-        average_checkpoints(paths, args.output)
+        for path in paths:
+            refuse_same_file(path, args.output)  # with or without --overwrite
     except ValueError as e:
+        sys.exit(f"error: {e}")
+    # The tool cannot tell its own earlier output from a user's file of the same name.
+    if os.path.exists(args.output) and not args.overwrite:
+        sys.exit(
+            f"error: {args.output} exists; choose a new output path, or pass --overwrite to "
+            "replace it"
+        )
+    try:
+        with exit_on_os_error("output"):
+            average_checkpoints(paths, args.output)
+    except (UnreadableCheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     print(f"| averaged {len(paths)} checkpoints ({', '.join(map(os.path.basename, paths))})")

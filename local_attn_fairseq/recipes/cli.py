@@ -17,8 +17,9 @@ recipe to a CPU smoke run. --dry-run prints the commands without running anythin
 import argparse
 import sys
 
+from ..cli_types import non_negative_int
 from ..experiments.training_progress import console_logging
-from ..file_safety import claim_output_dir
+from ..file_safety import FolderNotOwned, claim_output_dir, describe_os_error
 from . import config as rc
 from .config import RecipeError
 from .driver import RecipeRun
@@ -41,8 +42,12 @@ def list_rows(recipe):
 def claim_work_dir(work_dir, overwrite):
     try:
         claim_output_dir(work_dir, WORK_DIR_OWNER, overwrite)
-    except FileExistsError as e:
+    except FolderNotOwned as e:
         raise RecipeError(f"--work-dir {e}") from None
+    except OSError as e:  # a path under a regular file, a folder without write permission
+        raise RecipeError(
+            f"--work-dir: {describe_os_error(e)}; choose a folder that can be created and written"
+        ) from None
 
 
 def build_parser():
@@ -64,7 +69,9 @@ def build_parser():
         "{train,valid,test}.{SRC,TGT} text files (for MuST-C: the MuST-C root)",
     )
     parser.add_argument("--gpus", type=int, help="GPUs to train on (default: all visible, or 1)")
-    parser.add_argument("--seed", type=int, default=1, help="training seed (own run directory)")
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=1, help="training seed (own run directory)"
+    )
     parser.add_argument("--profile", help="settings profile from configs/recipes/profiles.yaml")
     parser.add_argument(
         "--override",
@@ -99,10 +106,15 @@ def main(argv=None):
         row = rc.get_row(recipe, args.row)
         if not args.work_dir:
             raise RecipeError("--work-dir is required")
+        # the workspace checks the prepare settings: a mistake there is named before the work
+        # dir is claimed
+        run = RecipeRun(
+            recipe, args.work_dir, args.raw_dir, args.gpus, args.seed, args.dry_run,
+            settings_given={"profile": args.profile, "overrides": args.override},
+        )  # fmt: skip
         if not args.dry_run:
             claim_work_dir(args.work_dir, args.overwrite)
             console_logging()
-        run = RecipeRun(recipe, args.work_dir, args.raw_dir, args.gpus, args.seed, args.dry_run)
         run.run_stage(args.stage, row)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)

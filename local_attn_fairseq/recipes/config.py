@@ -144,11 +144,19 @@ def get_row(recipe, name):
     if row.get("unsupported"):
         raise RecipeError(f"row {name!r} of {recipe['name']} cannot be run: {row['unsupported']}")
     train = recipe["train"]
+    average = deep_merge(recipe.get("average", {"last": 1}), row.get("average", {}))
+    # before any stage runs: a count of 0 would fail only after training, and a negative one
+    # would slice the wrong checkpoints
+    if not is_positive_int(average.get("last", 1)):
+        raise RecipeError(
+            f"average.last {average.get('last')!r}: the number of checkpoints to average, a "
+            "whole number of at least 1 (e.g. --override average.last=5)"
+        )
     return {
         "name": name,
         "arch": row.get("arch", train["arch"]),
         "args": deep_merge(train.get("args", {}), row.get("args", {})),
-        "average": deep_merge(recipe.get("average", {"last": 1}), row.get("average", {})),
+        "average": average,
         "evaluate": deep_merge(recipe.get("evaluate", {}), row.get("evaluate", {})),
         "paper": row.get("paper", {}),
         "table": row.get("table", ""),
@@ -282,15 +290,23 @@ def prepare_settings(recipe):
     if recipe["kind"] == "speech":
         prepare = {**SPEECH_DEFAULTS, **prepare}
         prepare["vocab_size"] = speech_vocab_sizes(prepare["vocab_size"])
+    elif "vocab_size" in prepare and not is_positive_int(prepare["vocab_size"]):
+        raise RecipeError(
+            f"prepare.vocab_size {prepare['vocab_size']!r}: the sentencepiece vocabulary size, "
+            "a whole number of at least 1 (e.g. --override prepare.vocab_size=8000)"
+        )
     return prepare
+
+
+def is_positive_int(value):
+    """Whether a setting read from YAML is a count of at least 1 (``true`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def speech_vocab_sizes(value):
     """{asr: size, st: size} from one size for both tasks or a mapping per task."""
     sizes = value if isinstance(value, dict) else {task: value for task in SPEECH_TASKS}
-    if set(sizes) != set(SPEECH_TASKS) or not all(
-        isinstance(n, int) and n > 0 for n in sizes.values()
-    ):
+    if set(sizes) != set(SPEECH_TASKS) or not all(is_positive_int(n) for n in sizes.values()):
         raise RecipeError(
             f"prepare.vocab_size {value!r}: a positive size, or one per task {{asr: N, st: N}}"
         )

@@ -16,6 +16,7 @@ import tarfile
 import urllib.request
 import zipfile
 
+from ..file_safety import describe_os_error
 from .config import RecipeError
 
 SPLITS = ("train", "valid", "test")
@@ -44,8 +45,13 @@ def simple_layout(raw_dir, langs):
 def assemble(dataset, raw_dir, download_dir, out_dir, seed=1):
     """Write ``out_dir/{split}.{lang}`` for every split and language of ``dataset``."""
     langs = languages(dataset)
+    simple = simple_layout(raw_dir, langs)
+    if simple:
+        for split in SPLITS:  # all of them before any is copied
+            for lang in langs:
+                _check_split_file(os.path.join(raw_dir, f"{split}.{lang}"))
     os.makedirs(out_dir, exist_ok=True)
-    if simple_layout(raw_dir, langs):
+    if simple:
         for split in SPLITS:
             for lang in langs:
                 _copy_checked(os.path.join(raw_dir, f"{split}.{lang}"), out_dir, split, lang)
@@ -63,14 +69,29 @@ def assemble(dataset, raw_dir, download_dir, out_dir, seed=1):
     _check_parallel(out_dir, langs)
 
 
+def _check_split_file(path):
+    """Refuse a split file of --raw-dir that is not a file or holds no sentence: every split is
+    used (an empty test set would fail only at the evaluate stage, after training)."""
+    if not os.path.isfile(path):
+        raise RecipeError(f"--raw-dir: {path} is not a file (a split file: one sentence a line)")
+    try:
+        with open(path, encoding="utf-8", errors="strict") as f:
+            if not any(line.strip() for line in f):  # stops at the first sentence
+                raise RecipeError(
+                    f"--raw-dir: {path} has no sentences; every split needs some (one a line)"
+                )
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text ({e})") from None
+    except OSError as e:
+        raise RecipeError(f"--raw-dir: {describe_os_error(e)}") from None
+
+
 def _copy_checked(path, out_dir, split, lang):
     with open(path, encoding="utf-8", errors="strict") as f:
         try:
             lines = f.readlines()
         except UnicodeDecodeError as e:
             raise RecipeError(f"{path}: not UTF-8 text ({e})") from None
-    if split == "train" and not any(line.strip() for line in lines):
-        raise RecipeError(f"{path}: no sentences")
     with open(os.path.join(out_dir, f"{split}.{lang}"), "w", encoding="utf-8") as out:
         out.writelines(line.rstrip("\n").replace("\r", " ") + "\n" for line in lines)
 

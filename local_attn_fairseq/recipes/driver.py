@@ -33,6 +33,9 @@ class RecipeRun(RecipeWorkspace):
         for line in settings_not_from_paper(row["chosen"], row["departures"]):
             print(line)
         print(flush=True)
+        if stage != "prepare" and not self.dry_run:
+            # before any work: the row's checkpoints are of the settings it has now
+            training.check_settings(self, row)
         if stage in ("prepare", "all"):
             self.prepare()
         if stage in ("train", "all"):

@@ -7,12 +7,12 @@ import json
 import os
 import re
 
-import torch
-
+from ..checkpoint_files import UnreadableCheckpointError, read_checkpoint
 from ..experiments.fairseq_runner import USER_DIR
 from ..file_safety import atomic_write_text
 from . import scoring
 from .config import RecipeError
+from .training import training_settings
 from .speech import task_files
 from .text_preparation import dataset_of, raw_path
 
@@ -29,6 +29,11 @@ def evaluate_row(run, row):
     subset = settings.get("subset", "test")
     if not run.dry_run and not os.path.exists(checkpoint):
         raise RecipeError(f"{checkpoint} does not exist: run the train and average stages first")
+    if not run.dry_run:
+        try:  # before decoding: fairseq's own load would end in a traceback
+            read_checkpoint(checkpoint)
+        except UnreadableCheckpointError as error:
+            raise RecipeError(f"{error}; run the average stage again to rewrite it") from None
     print(f"| reported as the paper's number: {headline_metric(run, row)} on {subset}", flush=True)
     if run.kind == "language_model":
         measured = evaluate_language_model(run, row, checkpoint, subset)
@@ -153,7 +158,7 @@ def model_facts(run, row, checkpoint):
         with open(log, encoding="utf-8") as f:
             summary = scoring.training_summary(f.read())
         facts["steps_per_s"] = summary["updates_per_s"]
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state = read_checkpoint(checkpoint)
     facts["params"] = count_parameters(state["model"])
     facts["encoder_attention_params"] = sum(
         v.numel() for k, v in state["model"].items() if _ENCODER_ATTENTION_WEIGHT.match(k)
@@ -194,6 +199,13 @@ def report(run, row, subset, measured):
         "headline": headline_metric(run, row),
         "chosen_not_from_paper": row["chosen"],
         "departures_from_paper": row["departures"],
+        # what the command line changed, and the settings the numbers were measured with
+        "given": run.settings_given,
+        "settings": {
+            "train": training_settings(run, row),
+            "average": row["average"],
+            "evaluate": row["evaluate"],
+        },
     }
     path = os.path.join(run.row_dir(row["name"]), "results.json")
     atomic_write_text(path, json.dumps(results, indent=2))

@@ -1,12 +1,17 @@
 """The train stage: a row's fairseq-train command (the paper's tokens per update on the GPUs at
 hand, the row's start from another row's model) and its run, resumed where it stopped.
 ``run`` is the recipe's workspace (``workspace.RecipeWorkspace``).
+
+A row's folder holds the checkpoints of one set of settings: ``settings.json`` records them when
+training starts, and a later run of the row there with other settings is refused (it would
+resume those checkpoints under the new settings and average checkpoints of both).
 """
 
 import json
 import os
 
-from ..experiments.fairseq_runner import USER_DIR
+from ..experiments.fairseq_runner import USER_DIR, command_line
+from ..file_safety import atomic_write_text
 from .config import RecipeError, batch_plan, options_to_argv
 from .speech import train_task_args
 
@@ -70,7 +75,86 @@ def read_heads_kept(path):
         return json.dumps({t: [len(h) for h in layers] for t, layers in json.load(f).items()})
 
 
+def training_settings(run, row):
+    """What the row's checkpoints depend on, as JSON values. Not the GPU count: the batch plan
+    keeps the tokens per update on any count, so a run may resume on other GPUs."""
+    train = run.recipe["train"]
+    settings = {
+        "data": os.path.basename(run.data),  # names the prepare settings (config.data_name)
+        "arch": row["arch"],
+        "args": row["args"],
+        "tokens_per_batch": train["tokens_per_batch"],
+        "base_row": row["base_row"],
+        "init": row["init"] if row["base_row"] else None,
+        "heads_kept_from_row": row["heads_kept_from_row"],
+    }
+    # YAML may give values JSON has no type for (dates): compared as the record stores them
+    return json.loads(json.dumps(settings, default=str))
+
+
+def check_settings(run, row):
+    """Refuse (RecipeError) to use the row's folder when its checkpoints were trained with
+    other settings than the row has now. A folder without a record passes, and so does one
+    without checkpoints (a run that failed before its first save: its record is replaced)."""
+    path = run.settings_record(row["name"])
+    if not os.path.isfile(path) or not _has_checkpoints(run.row_dir(row["name"])):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise RecipeError(
+            f"{path} cannot be read ({error}); it records the settings of the row's "
+            "checkpoints: use another --work-dir"
+        ) from None
+    differences = _differences(recorded, training_settings(run, row))
+    if differences:
+        raise RecipeError(
+            f"row {row['name']!r} was trained in this --work-dir with other settings "
+            f"({'; '.join(differences)}; recorded in {path}). Use another --work-dir for the "
+            "new settings, or the recorded ones to resume or evaluate this run"
+        )
+
+
+def _has_checkpoints(row_dir):
+    saved = os.path.join(row_dir, "checkpoints")
+    names = os.listdir(saved) if os.path.isdir(saved) else []
+    trained = any(n.startswith("checkpoint") and n.endswith(".pt") for n in names)
+    return trained or os.path.exists(os.path.join(row_dir, "averaged.pt"))
+
+
+def _differences(recorded, now, prefix=""):
+    """``"key: RECORDED then, NOW now"`` for each setting that differs, nested keys dotted."""
+    lines = []
+    for key in sorted(set(recorded) | set(now)):
+        then_value, now_value = recorded.get(key), now.get(key)
+        if isinstance(then_value, dict) and isinstance(now_value, dict):
+            lines += _differences(then_value, now_value, f"{prefix}{key}.")
+        elif then_value != now_value:
+            lines.append(f"{prefix}{key}: {_shown(then_value)} then, {_shown(now_value)} now")
+    return lines
+
+
+def _shown(value):
+    return "unset" if value is None else json.dumps(value)
+
+
+def record_settings(run, row, argv):
+    """Write the row's settings, the command line's changes and its fairseq-train command into
+    its folder (whole or not at all: a killed write leaves the old record)."""
+    record = {
+        "settings": training_settings(run, row),
+        "given": run.settings_given,
+        "train_command": command_line("fairseq-train", argv)[2:],
+    }
+    atomic_write_text(run.settings_record(row["name"]), json.dumps(record, indent=2) + "\n")
+
+
 def train(run, row):
     print(describe_batch(run, row), flush=True)
     log = os.path.join(run.row_dir(row["name"]), "train.log")
-    run.run_tool("fairseq-train", train_argv(run, row), log)
+    argv = train_argv(run, row)
+    if not run.dry_run:
+        check_settings(run, row)
+        record_settings(run, row, argv)
+    run.run_tool("fairseq-train", argv, log)

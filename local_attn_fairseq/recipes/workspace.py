@@ -2,7 +2,8 @@
 
     WORK/data/DATA_NAME/              the prepared data, shared by recipes that prepare it alike
     WORK/rows/RECIPE/ROW/seedS/       one row's checkpoints, logs, averaged (and pruned) model,
-                                      heads_kept.json and results.json
+                                      heads_kept.json, settings.json (what it trains with)
+                                      and results.json
 
 On a dry run every tool's command is printed instead of run.
 """
@@ -21,8 +22,13 @@ WORK_DIR_OWNER = "run_recipe"
 class RecipeWorkspace:
     """One recipe in one work directory: data shared by its rows, one directory per row."""
 
-    def __init__(self, recipe, work_dir, raw_dir=None, gpus=None, seed=1, dry_run=False):
+    def __init__(
+        self, recipe, work_dir, raw_dir=None, gpus=None, seed=1, dry_run=False,
+        settings_given=None,
+    ):  # fmt: skip
         self.recipe, self.kind = recipe, recipe["kind"]
+        # what the command line changed ({profile, overrides}), for the rows' records
+        self.settings_given = settings_given or {"profile": None, "overrides": []}
         self.work = os.path.abspath(work_dir)
         self.raw_dir = os.path.abspath(raw_dir) if raw_dir else None
         self.gpus, self.seed, self.dry_run = gpus, seed, dry_run
@@ -36,6 +42,10 @@ class RecipeWorkspace:
 
     def averaged(self, row_name):
         return os.path.join(self.row_dir(row_name), "averaged.pt")
+
+    def settings_record(self, row_name):
+        """The settings the row's checkpoints were trained with (``training.record_settings``)."""
+        return os.path.join(self.row_dir(row_name), "settings.json")
 
     def heads_kept(self, row_name):
         """The heads a pruned row kept, {attention type: [[head, ...] per layer]}."""

@@ -1,6 +1,8 @@
 """Confidence and roles of heads (Voita et al. 2019): known answers and the ``heads``
 subcommand."""
 
+import os
+
 import pytest
 import torch
 
@@ -192,6 +194,9 @@ def test_subcommand_with_parses_and_cross_attention(
 def test_subcommand_refuses_bad_thresholds(trained_checkpoint, tmp_path, capsys):
     from local_attn_fairseq.analysis.cli import main
 
-    code = main(["heads", "--path", str(trained_checkpoint), "--positional-threshold", "2",
-                 "--output-dir", str(tmp_path)])  # fmt: skip
-    assert code == 2 and "positional must lie in [0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        main(["heads", "--path", str(trained_checkpoint), "--positional-threshold", "2",
+              "--output-dir", str(tmp_path)])  # fmt: skip
+    assert refused.value.code == 2
+    assert "argument --positional-threshold: must lie in [0, 1], got 2" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # refused before the checkpoint is read

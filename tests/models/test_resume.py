@@ -244,6 +244,11 @@ def test_killed_save_leaves_only_loadable_checkpoints(tiny_data, tmp_path, stall
     for path in checkpoints:
         stored_state(path)  # every file under a checkpoint name loads
     assert stored_updates(save_dir / "checkpoint_last.pt") == 1
+    partial = glob.glob(str(save_dir / ".checkpoint*.pt.*.tmp"))
+    assert len(partial) == 1  # the half-written file, under its temporary name
+    (save_dir / ".notes.txt.0123abcd.tmp").write_text("a user's")  # not a checkpoint's name
     resumed = train_tiny(tiny_data, save_dir, "--save-interval-updates", 1, max_update=3)
     assert "@ 1 updates" in log_of(resumed)
+    assert f"removed {partial[0]}, a partial checkpoint" in log_of(resumed)
     assert stored_updates(save_dir / "checkpoint_last.pt") == 3
+    assert glob.glob(str(save_dir / ".*.tmp")) == [str(save_dir / ".notes.txt.0123abcd.tmp")]

@@ -134,6 +134,19 @@ def test_synthesis_rejects_missing_sentence_files(tmp_path):
         synthesize_speech_corpus.main(["--out-dir", str(tmp_path), "--pairs-dir", str(tmp_path)])
 
 
+def test_synthesis_reports_an_unwritable_out_dir_in_one_line(tmp_path):
+    pairs = [("Das ist gut.", "That is good.")]
+    write_pairs(tmp_path / "pairs", {"train": pairs, "valid": pairs, "test": pairs})
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "corpus"  # under a regular file: not writable, even for root
+    with pytest.raises(SystemExit) as error:
+        synthesize_speech_corpus.main(
+            ["--out-dir", str(out), "--pairs-dir", str(tmp_path / "pairs"),
+             "--train-size", "1", "--dev-size", "1", "--test-size", "1"]
+        )  # fmt: skip
+    assert error.value.code == f"error: --out-dir: {out}: Not a directory"
+
+
 # ---------------------------------------------------------------- preparation
 
 
@@ -287,6 +300,27 @@ def test_malformed_yaml_is_an_error_naming_file_and_line(corpus, tmp_path):
     lines[2] = lines[2].replace("duration: ", "duration: x")
     dev_yaml.write_text("\n".join(lines) + "\n")
     with pytest.raises(SystemExit, match=rf"{dev_yaml}:3: duration 'x[\d.]+' is not a number"):
+        prepare(root, tmp_path / "out")
+
+
+def test_an_unwritable_out_dir_is_one_line_before_any_audio_is_read(corpus, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "out"
+    with pytest.raises(SystemExit) as error:
+        prepare(corpus, out)
+    assert error.value.code == f"error: --out-dir: {out}: Not a directory"
+
+
+def test_an_unreadable_transcript_is_one_line_naming_it(corpus, tmp_path):
+    root = copy_corpus(corpus, tmp_path / "corpus")
+    de = split_dir(root, "dev") / "txt" / "dev.de"
+    de.write_bytes(b"Gut.\n\xff\xfe kein UTF-8\n")
+    with pytest.raises(SystemExit) as error:
+        prepare(root, tmp_path / "out")
+    assert error.value.code == f"error: {de}:2: not UTF-8 text (byte 0xff)"
+    (split_dir(root, "train") / "txt" / "train.en").unlink()
+    (split_dir(root, "train") / "txt" / "train.en").mkdir()  # a folder where a file belongs
+    with pytest.raises(SystemExit, match=r"train\.en: file not found"):
         prepare(root, tmp_path / "out")
 
 
