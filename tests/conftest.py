@@ -2,6 +2,7 @@ import contextlib
 import io
 import logging
 import os
+import runpy
 import subprocess
 import sys
 import traceback
@@ -16,6 +17,17 @@ BIN = os.path.dirname(sys.executable)
 
 sys.path.insert(0, REPO)
 import local_attn_fairseq  # noqa: E402,F401  (shims + registrations, as --user-dir does)
+
+# One worker per core (pytest.ini): torch's threads beyond a worker's share of the cores only
+# wait for each other (measured on 2 cores: the same tests took 35% longer and 70% more CPU).
+# Each worker, and every process it starts, gets its share; tests of the kernels' parallel
+# paths ask for more threads themselves (PARALLEL_THREADS).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+PARALLEL_THREADS = max(2, torch.get_num_threads())
+if WORKERS > 1:
+    THREAD_SHARE = max(1, (os.cpu_count() or 1) // WORKERS)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(THREAD_SHARE)
+    torch.set_num_threads(THREAD_SHARE)
 
 
 def fairseq_cli(tool, *args, cwd=None, check=True, stdin=None, separate_process=False):
@@ -58,13 +70,36 @@ def forget_previous_best():
 def _run_entry_point(tool, args, cwd, stdin):
     main = FAIRSEQ_ENTRY_POINTS[tool].load()
     forget_previous_best()
+    return _run_in_process(tool, args, main, cwd, stdin)
+
+
+def run_script(script, *args, cwd=None, env=None, separate_process=False):
+    """``python SCRIPT ARGS`` for a script of the repository (a path relative to it), as a user
+    types it: in this process (run as ``__main__``), sparing a Python start and a fairseq
+    import; what it prints and its exit status come back as from a separate process.
+    ``separate_process`` starts the installed Python on it instead."""
+    args = [str(a) for a in args]
+    path = os.path.join(REPO, script)
+    if separate_process:
+        return subprocess.run(
+            [sys.executable, path, *args], cwd=cwd, capture_output=True, text=True,
+            env=None if env is None else dict(os.environ, **env),
+        )  # fmt: skip
+    run = lambda: runpy.run_path(path, run_name="__main__")  # noqa: E731
+    return _run_in_process(path, args, run, cwd, env=env)
+
+
+def _run_in_process(program, args, run, cwd, stdin=None, env=None):
+    """``run()`` with sys.argv = [program, *args]: its output, log records, exit status (an
+    exception's traceback on stderr, status 1), the process state restored afterwards."""
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(logging.Formatter(FAIRSEQ_LOG_FORMAT))
     root = logging.getLogger()
-    saved = sys.argv, sys.stdin, os.getcwd(), root.handlers[:], root.level
-    sys.argv = [tool, *args]
+    saved = sys.argv, sys.stdin, os.getcwd(), root.handlers[:], root.level, dict(os.environ)
+    sys.argv = [program, *args]
     sys.stdin = io.StringIO(stdin or "")
+    os.environ.update(env or {})
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     returncode = 0
@@ -73,8 +108,8 @@ def _run_entry_point(tool, args, cwd, stdin):
             os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                main()
-            except SystemExit as e:  # argparse errors (2), fairseq's own exits
+                run()
+            except SystemExit as e:  # argparse errors (2), the tools' one-line errors (1)
                 if isinstance(e.code, str):
                     print(e.code, file=err)
                 returncode = e.code if isinstance(e.code, int) else int(e.code is not None)
@@ -86,9 +121,20 @@ def _run_entry_point(tool, args, cwd, stdin):
         os.chdir(saved[2])
         root.handlers[:] = saved[3]
         root.setLevel(saved[4])
+        os.environ.clear()
+        os.environ.update(saved[5])
     return subprocess.CompletedProcess(
-        [tool, *args], returncode, stdout=out.getvalue(), stderr=err.getvalue()
+        [program, *args], returncode, stdout=out.getvalue(), stderr=err.getvalue()
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files holding end-to-end runs (marked slow) first. Each file runs on one worker
+    (pytest.ini: --dist loadfile), so its module fixtures are built once; the longest files
+    start while there is other work to balance them, instead of one worker running the last
+    demo while the others wait."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept
 
 
 @pytest.fixture(scope="module")

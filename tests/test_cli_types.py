@@ -2,14 +2,12 @@
 
 import argparse
 import os
-import subprocess
-import sys
 
 import pytest
 
 from local_attn_fairseq.cli_types import int_at_least, non_negative_int, positive_int
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .conftest import run_script
 
 
 def test_int_at_least_accepts_the_minimum_and_refuses_below_it_or_non_numbers():
@@ -55,9 +53,7 @@ def test_int_at_least_accepts_the_minimum_and_refuses_below_it_or_non_numbers():
 def test_the_tools_refuse_counts_below_their_minimum_before_any_work(
     tmp_path, script, argv, env, message
 ):
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", script), *argv],
-        capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, **env),
-    )  # fmt: skip
+    # the script in this process: an argparse error needs no Python start and fairseq import
+    proc = run_script(os.path.join("scripts", script), *argv, cwd=tmp_path, env=env)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and os.listdir(tmp_path) == []

@@ -44,6 +44,15 @@ def is_sentence(text, min_words):
     )
 
 
+def sentence_of(raw, min_words):
+    """The cleaned sub-entry if it is a sentence, else None. Most sub-entries are single words
+    without a full stop: they are dropped before the (costlier) cleaning."""
+    if not any(mark in raw for mark in _SENTENCE_END):
+        return None
+    text = clean_side(raw)
+    return text if is_sentence(text, min_words) else None
+
+
 def extract_pairs(lines, min_words=4):
     """Yield (de, en) sentence pairs from dictionary lines, in file order, deduplicated."""
     seen = set()
@@ -56,8 +65,9 @@ def extract_pairs(lines, min_words=4):
         if len(de_parts) != len(en_parts):
             continue  # misaligned entry: pairing its parts would be guesswork
         for de_raw, en_raw in zip(de_parts, en_parts):
-            de, en = clean_side(de_raw), clean_side(en_raw)
-            if not (is_sentence(de, min_words) and is_sentence(en, min_words)):
+            de = sentence_of(de_raw, min_words)
+            en = sentence_of(en_raw, min_words) if de is not None else None
+            if en is None:
                 continue
             if (de, en) in seen:
                 continue

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from local_attn_fairseq.ops import banded_attention, draw_dropout_keep, extension_info
 
+from ..conftest import PARALLEL_THREADS
 from .dense_reference import dense_allowed, dense_attention, dense_to_band
 from .test_banded_tensor_core import needs_tensor_core
 
@@ -52,14 +53,24 @@ def implementation(name):
 @contextlib.contextmanager
 def one_thread():
     """For the many small property cases: the thread pools' wake-ups cost more than their work,
-    and far more while other processes load the machine. The parametrized cases above keep
-    torch's default threads, so the kernels' parallel paths are tested there."""
+    and far more while other processes load the machine. The parametrized cases above run
+    with several threads (parallel_threads), so the kernels' parallel paths are tested there."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def parallel_threads():
+    """Threads enough for the kernels' parallel paths (several blocks of rows at once), also
+    in a test worker that runs with one thread (tests/conftest.py)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(PARALLEL_THREADS)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(params=IMPLS)
@@ -181,7 +192,7 @@ def test_unknown_implementation_is_rejected():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_matches_dense_reference(impl, case, dtype):
+def test_matches_dense_reference(impl, case, dtype, parallel_threads):
     batch, heads, length, dim, left, right, padding = CASES[case]
     q, k, v = make_qkv(batch, heads, length, dim, dtype)
     assert_matches_dense(q, k, v, left, right, make_padding(padding, batch, length))

@@ -29,7 +29,7 @@ from local_attn_fairseq.recipes import averaging, corpora, scoring, text_prepara
 from local_attn_fairseq.recipes import cli as recipe_cli
 from local_attn_fairseq.recipes import config as rc
 from local_attn_fairseq.recipes.driver import RecipeRun
-from tests.conftest import REPO
+from tests.conftest import REPO, run_script
 
 DRIVER = os.path.join(REPO, "scripts", "recipes", "run_recipe.py")
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "local-attn-recipe")
@@ -246,7 +246,9 @@ def test_speech_recipe_asr_then_st(ding_pairs, work_dir, tmp_path):
 
 
 def cli(*argv):
-    return subprocess.run([sys.executable, DRIVER, *argv], capture_output=True, text=True)
+    """scripts/recipes/run_recipe.py with `argv`, in this process (the console script, a
+    process of its own, is compared with it below)."""
+    return run_script(os.path.relpath(DRIVER, REPO), *argv)
 
 
 def test_unsupported_row_is_refused_with_its_reason():
@@ -599,14 +601,15 @@ def test_docs_carry_each_papers_settings_tables():
 # ---- the small-scale study ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_small_scale_study_writes_its_table(tmp_path):
     work = tmp_path / "w"
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "small_scale_study.py")]
     # two runs side by side on the Ding corpus, the gated model scored after pruning
-    cmd += ["--work-dir", work, "--corpus", "ding-de-en", "--max-update", 2, "--seeds", "1,2"]
-    cmd += ["--tiny", "--jobs", 2, "--models", "baseline,gates_l0", "--max-train", 200]
-    cmd += ["--vocab-size", 200, "--test-size", 4]
-    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=ONE_THREAD_ENV)
+    argv = ["--work-dir", work, "--corpus", "ding-de-en", "--max-update", 2, "--seeds", "1,2"]
+    argv += ["--tiny", "--jobs", 2, "--models", "baseline,gates_l0", "--max-train", 200]
+    argv += ["--vocab-size", 200, "--test-size", 4]
+    # in this process (its trainings are processes of their own, one thread each)
+    proc = run_script(os.path.join("scripts", "small_scale_study.py"), *argv, env=ONE_THREAD_ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     study = json.loads((work / "small_scale_study.json").read_text())
     (ding,) = study["corpora"]

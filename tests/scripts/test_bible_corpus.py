@@ -3,14 +3,14 @@ SWORD modules that scripts/setup_env.sh installs (a few books: a few hundred ver
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from local_attn_fairseq.data import bible
 
-from ..conftest import REPO
+from ..conftest import run_script
+
+SCRIPT = os.path.join("scripts", "prepare_bible.py")
 
 MARKUP = re.compile(r"[<>]|strong:|savlm|\b[GH]\d{4}\b|sID|eID")
 
@@ -94,10 +94,9 @@ def test_real_modules_give_aligned_clean_verses():
 def test_prepare_bible_writes_book_disjoint_splits(tmp_path):
     out = tmp_path / "raw"
     books = "Genesis,Ruth,Jonah,Philippians,Romans"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "prepare_bible.py"), "--out-dir", out,
-         "--books", books, "--max-train", "300", "--test-size", "100"],
-        capture_output=True, text=True,
+    proc = run_script(
+        SCRIPT, "--out-dir", out, "--books", books, "--max-train", "300", "--test-size", "100",
+        separate_process=True,  # once as its own process; the other cases in this one
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.search(r"verse pairs \(train 300, valid \d+, test 100\)", proc.stdout), proc.stdout
@@ -108,22 +107,14 @@ def test_prepare_bible_writes_book_disjoint_splits(tmp_path):
         books_in[split] = {ref.rsplit(" ", 1)[0] for ref in lines["ref"]}
     assert books_in == {"train": {"Genesis"}, "valid": {"Ruth", "Jonah", "Philippians"}, "test": {"Romans"}}
     # a selection without a held-out book for a split is refused, naming the books to add
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "prepare_bible.py"), "--out-dir",
-         tmp_path / "none", "--books", "Genesis"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    proc = run_script(SCRIPT, "--out-dir", tmp_path / "none", "--books", "Genesis")
     assert proc.returncode == 2 and "--books: no verse pairs for valid, test" in proc.stderr
     assert not (tmp_path / "none").exists()  # refused before anything is written
 
 
 def test_prepare_bible_refuses_a_folder_it_did_not_create(tmp_path):
     (tmp_path / "train.en").write_text("a user's own file\n")
-    script = os.path.join(REPO, "scripts", "prepare_bible.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--out-dir", tmp_path, "--books", "Ruth,Romans"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    proc = run_script(SCRIPT, "--out-dir", tmp_path, "--books", "Ruth,Romans")
     assert proc.returncode != 0 and "--overwrite" in proc.stderr
     assert (tmp_path / "train.en").read_text() == "a user's own file\n"
 
@@ -131,10 +122,9 @@ def test_prepare_bible_refuses_a_folder_it_did_not_create(tmp_path):
 def test_prepare_bible_reports_an_unwritable_out_dir_in_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "out"  # under a regular file: not writable, even for root
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "prepare_bible.py"), "--out-dir", out,
-         "--books", "Ruth,Romans,Jude", "--max-train", "5", "--test-size", "5"],
-        capture_output=True, text=True,
+    proc = run_script(
+        SCRIPT, "--out-dir", out, "--books", "Ruth,Romans,Jude", "--max-train", "5",
+        "--test-size", "5",
     )  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1] == f"error: --out-dir: {out}: Not a directory"

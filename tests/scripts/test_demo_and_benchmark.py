@@ -12,17 +12,21 @@ import torch
 
 from local_attn_fairseq.experiments.measurement import attention_traffic_bytes, band_flops
 
-from ..conftest import REPO
+from ..conftest import REPO, run_script
 
 pytestmark = pytest.mark.slow
+
+DEMO = os.path.join("scripts", "demo.py")
+SPEECH_DEMO = os.path.join("scripts", "demo_speech.py")
+THROUGHPUT = os.path.join("benchmarks", "training_throughput.py")
 
 
 def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     """``make demo``'s command with its default corpus, the Bible, on a slice of it."""
     work = tmp_path / "demo"
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "demo.py"), "--work-dir", work]
-    cmd += ["--epochs", "1", "--max-train", "1500", "--test-size", "50", "--vocab-size", "1000"]
-    out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+    argv = ["--work-dir", work, "--epochs", "1", "--max-train", "1500", "--test-size", "50"]
+    argv += ["--vocab-size", "1000"]
+    out = run_script(DEMO, *argv, separate_process=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # not a terminal: plain progress lines (no bar), the last one of each model says done
     for model in (r"transformer \(baseline\)", "transformer_local_tied"):
@@ -43,15 +47,14 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     assert tied["encoder_attention_params"] < base["encoder_attention_params"]
     assert all(r["train_words_per_s"] > 0 for r in rows)
     # a second run finds everything done and only prints the table again
-    again = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+    again = run_script(DEMO, *argv)  # in this process: no second Python start
     assert again.returncode == 0 and "fairseq-train" not in again.stdout
 
 
 def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     work = tmp_path / "speech"
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "demo_speech.py"), "--quick"]
-    cmd += ["--work-dir", work, "--train-size", "80"]
-    out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+    argv = ["--quick", "--work-dir", work, "--train-size", "80"]
+    out = run_script(SPEECH_DEMO, *argv, separate_process=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     asr_dir = work / "runs_80-16-16_spm250" / "asr_ctc_e1"
     windows = (asr_dir / "contributions" / "windows.txt").read_text().strip()
@@ -83,7 +86,7 @@ def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     # a run that stopped before its end is trained and scored again; finished ones are reused
     log = local_dir / "train.log"
     log.write_text(st_log.replace("done training in", "stopped after"))
-    again = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+    again = run_script(SPEECH_DEMO, *argv)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     for tool in ("fairseq-train", "fairseq-generate"):
         redone = [
@@ -94,19 +97,8 @@ def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
 
 def test_benchmark_prints_the_ratio(tmp_path):
     work = tmp_path / "bench"
-    out = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "benchmarks", "training_throughput.py"),
-            "--work-dir",
-            str(work),
-            "--rounds",
-            "2",
-            "--batches",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
+    out = run_script(
+        THROUGHPUT, "--work-dir", work, "--rounds", 2, "--batches", 3, separate_process=True
     )
     assert out.returncode == 0, out.stderr[-3000:]
     match = re.search(
@@ -123,11 +115,7 @@ def test_benchmark_prints_the_ratio(tmp_path):
 
 @pytest.mark.parametrize("option", ["--fp16", "--bf16"])
 def test_benchmark_refuses_half_precision_on_the_cpu(tmp_path, option):
-    out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", "training_throughput.py"), option,
-         "--work-dir", str(tmp_path / "bench")],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    out = run_script(THROUGHPUT, option, "--work-dir", tmp_path / "bench")
     assert out.returncode == 2
     assert f"{option} needs --device cuda" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "bench").exists()  # refused before any data preparation

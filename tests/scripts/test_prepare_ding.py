@@ -6,7 +6,7 @@ import pytest
 
 from local_attn_fairseq.data import ding as prepare_ding
 
-from ..conftest import REPO
+from ..conftest import REPO, run_script
 
 
 LINES = [
@@ -69,16 +69,18 @@ def test_missing_dictionary_is_a_clear_error(tmp_path):
     assert proc.returncode != 0 and "apt-get install trans-de-en" in proc.stderr
 
 
-SCRIPT = os.path.join(REPO, "scripts", "prepare_ding.py")
+SCRIPT = os.path.join("scripts", "prepare_ding.py")
 SMALL = ["--test-size", "3", "--valid-size", "2", "--max-train", "5"]
 
 
 def prepare(*argv, umask=None):
-    """scripts/prepare_ding.py as a user runs it (with `umask` set in the child, if given)."""
-    return subprocess.run(
-        [sys.executable, SCRIPT, *map(str, argv)], capture_output=True, text=True,
-        preexec_fn=None if umask is None else (lambda: os.umask(umask)),
-    )  # fmt: skip
+    """scripts/prepare_ding.py as a user runs it (in this process; with `umask` set, if given)."""
+    previous = os.umask(umask) if umask is not None else None
+    try:
+        return run_script(SCRIPT, *argv)
+    finally:
+        if previous is not None:
+            os.umask(previous)
 
 
 def refused(capsys, *argv):
@@ -106,6 +108,16 @@ def test_prepare_ding_refuses_a_folder_it_did_not_create(tmp_path, capsys):
     prepare_ding.main(["--out-dir", str(ours), "--test-size", "4", "--valid-size", "2"])
     assert len((ours / "test.en").read_text().splitlines()) == 4
     assert "/ours" in capsys.readouterr().out
+    # a run killed mid-write leaves a temporary file; the next run in its folder removes it
+    (ours / ".train.de.0a1b2c3d.tmp").write_text("half a split")
+    prepare_ding.main(["--out-dir", str(ours), *SMALL])
+    assert not [name for name in os.listdir(ours) if name.endswith(".tmp")]
+    # ... but not in someone else's folder that it writes into under --overwrite
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / ".train.de.0a1b2c3d.tmp").write_text("not its to delete")
+    prepare_ding.main(["--out-dir", str(theirs), *SMALL, "--overwrite"])
+    assert (theirs / ".train.de.0a1b2c3d.tmp").read_text() == "not its to delete"
 
 
 @pytest.mark.parametrize(

@@ -5,24 +5,25 @@ same study in another folder that reads the runs from the first one's records.""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from ..conftest import REPO
+from ..conftest import REPO, run_script
 
 pytestmark = pytest.mark.slow
 
-STUDY = os.path.join(REPO, "scripts", "small_scale_study.py")
+STUDY = os.path.join("scripts", "small_scale_study.py")
 TRACKED_REPORT = os.path.join(REPO, "docs", "small_scale_study.md")
 
 
-def run_study(work, max_update, *options):
-    cmd = [sys.executable, STUDY, "--work-dir", work, "--corpus", "bible-en-es", "--tiny",
-           "--max-train", 300, "--test-size", 20, "--vocab-size", 400, "--seeds", 1,
-           "--models", "baseline,local_tied", "--max-update", max_update, *options]  # fmt: skip
-    out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+def run_study(work, max_update, *options, separate_process=False):
+    """The study's script (in this process unless `separate_process`: its trainings run as
+    their own processes either way)."""
+    out = run_script(
+        STUDY, "--work-dir", work, "--corpus", "bible-en-es", "--tiny", "--max-train", 300,
+        "--test-size", 20, "--vocab-size", 400, "--seeds", 1, "--models", "baseline,local_tied",
+        "--max-update", max_update, *options, separate_process=separate_process,
+    )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -39,7 +40,7 @@ def scores(report_json):
 
 def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     work = tmp_path / "study"
-    first = run_study(work, 4)
+    first = run_study(work, 4, separate_process=True)
     runs = sorted((work / "bible-en-es" / "runs").iterdir())
     assert [r.name.split("-")[0] for r in runs] == ["baseline", "local_tied"]
     # not a terminal: plain progress lines, one per run
