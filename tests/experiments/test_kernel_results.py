@@ -2,12 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from local_attn_fairseq.experiments import kernel_results
+
+from ..conftest import run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "results_table.py")
@@ -16,9 +16,9 @@ GRID = os.path.join(RESULTS, "h200_bf16_d64_fwd_bwd_grid.json")
 HEAD_DIMS = os.path.join(RESULTS, "h200_bf16_d32_d128_fwd_bwd.json")
 
 
-def run_script(*args, cwd):
-    command = [sys.executable, SCRIPT, *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=120)
+def results_table(*args, cwd):
+    """benchmarks/results_table.py in this process (a table needs no Python start)."""
+    return run_script(os.path.relpath(SCRIPT, REPO), *args, cwd=cwd)
 
 
 def table_rows(text):
@@ -40,7 +40,7 @@ def record(route, T=1024, w=33, ms=1.0, note=None, D=64, gpu="GPU A", **figures)
 
 def test_the_script_tabulates_the_committed_records(tmp_path):
     output = tmp_path / "kernels.md"
-    proc = run_script(GRID, HEAD_DIMS, "--output", output, cwd=tmp_path)
+    proc = results_table(GRID, HEAD_DIMS, "--output", output, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == output.read_text()
     assert proc.stdout.splitlines()[0] == "GPU: NVIDIA H200; torch 2.11.0+cu130; 2026-11-26"
@@ -112,7 +112,7 @@ def test_a_table_without_the_tensor_core_kernel_has_no_column_of_it():
 def test_the_script_refuses_a_malformed_file(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps([record("banded"), {"gpu": "NVIDIA H200", "route": "flex"}]))
-    proc = run_script(GRID, broken, cwd=tmp_path)
+    proc = results_table(GRID, broken, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "Traceback" not in proc.stderr
     assert f"{broken}: record 1 lacks 'torch', 'date', 'dtype', 'B'" in proc.stderr

@@ -3,8 +3,6 @@ the models and ablations the study trains."""
 
 import json
 import os
-import subprocess
-import sys
 import types
 
 import pytest
@@ -19,7 +17,7 @@ from local_attn_fairseq.experiments.fairseq_runner import USER_DIR, RunFailed
 from local_attn_fairseq.experiments.training_progress import Validation
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
 
-from ..conftest import REPO
+from ..conftest import run_script
 
 
 def test_run_key_depends_on_settings_not_on_the_budget():
@@ -73,21 +71,21 @@ def test_a_record_without_bleu_is_named_by_the_study(tmp_path):
     """The study's command line, given a records folder whose record of its run lacks "bleu"
     (written by hand, or cut short): one line naming the file and the field, no KeyError."""
     work, records = tmp_path / "study", tmp_path / "records"
-    argv = ["--work-dir", work, "--corpus", "bible-en-es", "--tiny", "--max-train", 300,
+    argv = ["--work-dir", work, "--corpus", "ding-de-en", "--tiny", "--max-train", 2000,
             "--test-size", 20, "--vocab-size", 400, "--seeds", 1, "--models", "baseline",
             "--max-update", 4, "--records", records, "--report-only"]  # fmt: skip
     argv = list(map(str, argv))
-    command = [sys.executable, os.path.join(REPO, "scripts", "small_scale_study.py"), *argv]
-    first = subprocess.run(command, capture_output=True, text=True)  # prepares the corpus
+    script = os.path.join("scripts", "small_scale_study.py")
+    first = run_script(script, *argv)  # prepares the corpus (in this process, as the second)
     assert first.returncode == 0 and "1 runs, 0 recorded" in first.stdout, first.stderr[-2000:]
 
     # the record this study reads for its one run, as another machine would have written it
     args = small_scale_study.parse_args(argv)
-    corpus_dir = str(work / "bible-en-es")
-    corpus = small_scale_study.prepare("bible-en-es", corpus_dir, args, args.max_train)
+    corpus_dir = str(work / "ding-de-en")
+    corpus = small_scale_study.prepare("ding-de-en", corpus_dir, args, args.max_train)
     base = small_scale_study.base_argv(args)
     run = study_report.study_runs(corpus, corpus_dir, base, ["baseline"], [1])["baseline"][0]
-    path = study.record_path(str(records), "bible-en-es", run)
+    path = study.record_path(str(records), "ding-de-en", run)
     study.write_record(path, RESULT, run, max_update=4, patience=args.patience)
     with open(path) as f:
         record = json.load(f)
@@ -95,7 +93,7 @@ def test_a_record_without_bleu_is_named_by_the_study(tmp_path):
     with open(path, "w") as f:
         json.dump(record, f)
 
-    second = subprocess.run(command, capture_output=True, text=True)
+    second = run_script(script, *argv)
     assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-2000:]
     error = second.stderr.strip().splitlines()[-1]
     assert error.startswith("error: ") and path in error and "lacks bleu" in error

@@ -9,7 +9,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from ..conftest import REPO, train_tiny
+from ..conftest import REPO, run_script, train_tiny
 from .helpers import build_model, generate
 
 SPEC = ("--locality-config", "1loc7tied-all6", "--localness-layers", "encoder_self:1")
@@ -112,18 +112,13 @@ def test_pruned_shape_trains_from_scratch(tiny_data, tmp_path):
 
 
 def test_prune_refuses_a_checkpoint_without_gates(trained_checkpoint, tmp_path):
-    script = os.path.join(REPO, "scripts", "prune_heads.py")
-    proc = subprocess.run(
-        [sys.executable, script, trained_checkpoint, tmp_path / "out.pt"],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_prune(trained_checkpoint, tmp_path / "out.pt")
     assert proc.returncode != 0 and "has no head gates" in proc.stderr
 
 
 def run_prune(*args):
-    script = os.path.join(REPO, "scripts", "prune_heads.py")
-    return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
+    """scripts/prune_heads.py in this process (prune() above runs it as a process of its own)."""
+    return run_script(os.path.join("scripts", "prune_heads.py"), *args)
 
 
 def assert_one_line_error(proc, *expected):

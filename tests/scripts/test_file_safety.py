@@ -2,8 +2,6 @@
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ import torch
 from local_attn_fairseq.file_safety import OWNER_MARKER, replace_own_dir
 from local_attn_fairseq.modules import head_pruning
 
-from ..conftest import REPO, train_tiny
+from ..conftest import REPO, run_script, train_tiny
 from .speech_corpus import SCRIPTS
 
 SYNTHESIZER = os.path.join(SCRIPTS, "synthesize_speech_corpus.py")
@@ -20,8 +18,9 @@ PRUNER = os.path.join(REPO, "scripts", "prune_heads.py")
 needs_espeak = pytest.mark.skipif(not shutil.which("espeak-ng"), reason="espeak-ng speaks")
 
 
-def run(*cmd):
-    return subprocess.run([sys.executable, *map(str, cmd)], capture_output=True, text=True)
+def run(script, *args):
+    """A script of the repository with `args`, in this process (tests/conftest.py run_script)."""
+    return run_script(os.path.relpath(script, REPO), *args)
 
 
 def snapshot(folder):

@@ -1,4 +1,4 @@
-"""The study's reduced form through its command line: a few hundred Bible verses, two tiny
+"""The study's reduced form through its command line: a thousand Ding sentence pairs, two tiny
 models, one seed, a cap of 4 updates, then a cap of 8 that continues the same runs, then the
 same study in another folder that reads the runs from the first one's records."""
 
@@ -20,7 +20,7 @@ def run_study(work, max_update, *options, separate_process=False):
     """The study's script (in this process unless `separate_process`: its trainings run as
     their own processes either way)."""
     out = run_script(
-        STUDY, "--work-dir", work, "--corpus", "bible-en-es", "--tiny", "--max-train", 300,
+        STUDY, "--work-dir", work, "--corpus", "ding-de-en", "--tiny", "--max-train", 1000,
         "--test-size", 20, "--vocab-size", 400, "--seeds", 1, "--models", "baseline,local_tied",
         "--max-update", max_update, *options, separate_process=separate_process,
     )  # fmt: skip
@@ -41,7 +41,7 @@ def scores(report_json):
 def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     work = tmp_path / "study"
     first = run_study(work, 4, separate_process=True)
-    runs = sorted((work / "bible-en-es" / "runs").iterdir())
+    runs = sorted((work / "ding-de-en" / "runs").iterdir())
     assert [r.name.split("-")[0] for r in runs] == ["baseline", "local_tied"]
     # not a terminal: plain progress lines, one per run
     assert re.search(r"^\| progress \| transformer \(baseline\) \[baseline-\w+\]: epoch \d+ \| "
@@ -49,7 +49,7 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     assert "\r" not in first
 
     second = run_study(work, 8)
-    assert sorted((work / "bible-en-es" / "runs").iterdir()) == runs  # the same runs, continued
+    assert sorted((work / "ding-de-en" / "runs").iterdir()) == runs  # the same runs, continued
     for run in runs:
         log = (run / "train.log").read_text()
         assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 4 updates\)", log)
@@ -69,11 +69,11 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
 
     # another folder (another machine) given the records: the runs are read, not trained
     records = sorted(p.name for p in (work / "records").iterdir())
-    assert [r.split("-seed1-")[0] for r in records] == ["bible-en-es-baseline", "bible-en-es-local_tied"]
+    assert [r.split("-seed1-")[0] for r in records] == ["ding-de-en-baseline", "ding-de-en-local_tied"]
     elsewhere = tmp_path / "elsewhere"
     fourth = run_study(elsewhere, 8, "--records", work / "records")
     assert fourth.count("reused") == 2 and "fairseq_train" not in fourth
-    assert "fairseq-generate" not in fourth and not (elsewhere / "bible-en-es" / "runs").exists()
+    assert "fairseq-generate" not in fourth and not (elsewhere / "ding-de-en" / "runs").exists()
     assert "2 runs read from records of earlier runs of the study" in fourth
     assert scores(elsewhere / "small_scale_study.json") == scores(work / "small_scale_study.json")
     # a study in progress reports what is recorded and trains nothing
@@ -89,7 +89,7 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     assert "2 runs, 0 recorded, 2 to train or score" in smaller
 
     report = (work / "small_scale_study.md").read_text()
-    assert "images/small_scale_study_bible-en-es.png" in report
-    assert (work / "images" / "small_scale_study_bible-en-es.png").read_bytes()[:4] == b"\x89PNG"
+    assert "images/small_scale_study_ding-de-en.png" in report
+    assert (work / "images" / "small_scale_study_ding-de-en.png").read_bytes()[:4] == b"\x89PNG"
     with open(TRACKED_REPORT, encoding="utf-8") as f:
         assert str(work) not in f.read()  # the tracked report is written only on request
