@@ -25,7 +25,12 @@ Targets: tied and localness >= 0.95 (Yang et al. report 0.925 of the baseline's 
 
 --fp16 / --bf16 train in half precision as fairseq's trainer does (the models are converted,
 and fairseq sees the option), on CUDA only: fairseq has no half-precision CPU training. The
-optimiser is plain Adam on the models' parameters for every model alike (no fp32 master copy).
+optimiser is Adam for every model alike: torch's on the float32 parameters, and under --fp16 /
+--bf16 fairseq's FP16Optimizer around fairseq's Adam, as ``fairseq-train --fp16`` runs it (a
+float32 master copy of the parameters; under --fp16 a dynamic loss scale, a step whose
+gradients overflow is skipped). Adam on the half-precision parameters themselves would turn
+them into NaN at the first step (its epsilon, 1e-8, is 0 in float16), and the timings would be
+of NaN arithmetic: a model whose parameters are not finite after the run is reported as such.
 
 The run also counts the floating-point operations of each model's matrix products on the same
 batches: their ratio is the most any implementation can reach where those products bound the
@@ -42,7 +47,8 @@ import statistics
 import time
 
 import torch
-from fairseq import options, tasks, utils
+from fairseq import optim, options, tasks, utils
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from torch.utils.flop_counter import FlopCounterMode
 
 from local_attn_fairseq.cli_types import positive_int
@@ -84,8 +90,7 @@ def build(bin_dir, arch, extra, dims):
     task = tasks.setup_task(args)
     model = task.build_model(args)
     criterion = task.build_criterion(args)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
-    return task, args, model, criterion, optimizer
+    return task, args, model, criterion
 
 
 def fixed_batches(task, args, n):
@@ -105,19 +110,44 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def make_optimizer(targs, model):
+    """torch's Adam on float32 parameters; fairseq's FP16Optimizer (float32 master copy, loss
+    scale under --fp16) around fairseq's Adam for a half-precision model, as fairseq's trainer
+    builds it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not (targs.fp16 or targs.bf16):
+        return torch.optim.Adam(params, lr=1e-4, betas=(0.9, 0.98))
+    cfg = convert_namespace_to_omegaconf(targs)
+    return optim.FP16Optimizer.build_optimizer(cfg, params)
+
+
 def train_steps(model, criterion, optimizer, batches):
     """Seconds for one pass of forward, backward and optimiser step over the batches."""
     model.train()
     device = next(model.parameters()).device
+    mixed = isinstance(optimizer, optim.FP16Optimizer)
     synchronize(device)
     start = time.perf_counter()
     for sample in batches:
         loss, _, _ = criterion(model, sample)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if mixed:  # fairseq's trainer: scaled backward, overflow check, skipped on overflow
+            optimizer.backward(loss)
+            try:
+                optimizer.clip_grad_norm(0.0)
+                optimizer.step()
+            except OverflowError:  # counted: a skipped step is cheaper than a real one
+                optimizer.overflows = getattr(optimizer, "overflows", 0) + 1
+            optimizer.zero_grad()
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     synchronize(device)
     return time.perf_counter() - start
+
+
+def finite_parameters(model) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def training_cost(model, criterion, batches):
@@ -207,7 +237,9 @@ def main(argv=None):
 def measure(args):
     device = args.device
     dims = ["--share-all-embeddings"] if args.base_sizes else demo.MODEL_DIMS
-    options = [f"--{args.precision}"] if args.precision else []
+    # Adam's learning rate of torch's Adam below, for fairseq's too (the demo's 3e-3 is reached
+    # after warm-up, which these few steps never run)
+    options = ["--lr", "1e-4"] + ([f"--{args.precision}"] if args.precision else [])
     if args.max_tokens:
         options += ["--max-tokens", str(args.max_tokens)]
 
@@ -218,12 +250,11 @@ def measure(args):
     plugin = demo.MODELS[0][2]
     models = {}
     for label, arch, extra in contenders(args, plugin):
-        task, targs, model, criterion, _ = build(bin_dir, arch, extra + options, dims)
+        task, targs, model, criterion = build(bin_dir, arch, extra + options, dims)
         model = model.to(device)
         if args.precision:  # as fairseq's trainer does under --fp16 / --bf16
             model = model.to(PRECISIONS[args.precision])
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
-        models[label] = (model, criterion, optimizer)
+        models[label] = (model, criterion, make_optimizer(targs, model))
     batches = [utils.move_to_cuda(b, device) if device.type == "cuda" else b
                for b in fixed_batches(task, targs, args.batches)]  # fmt: skip
     if args.precision:
@@ -245,6 +276,15 @@ def measure(args):
         for label in labels:
             busy[label] = device_seconds_per_call(lambda: train_steps(*models[label], batches), 1)
     report(args, labels, rates, costs, words, busy)
+    diverged = [label for label, (model, _, _) in models.items() if not finite_parameters(model)]
+    if diverged:
+        print(
+            f"\nWARNING: the parameters of {', '.join(diverged)} are not finite after the run: "
+            "their timings are of NaN arithmetic, not of training"
+        )
+    for label, (_, _, optimizer) in models.items():
+        if getattr(optimizer, "overflows", 0):
+            print(f"{label}: {optimizer.overflows} steps skipped on a gradient overflow")
 
 
 def to_precision(sample, dtype):

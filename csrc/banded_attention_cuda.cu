@@ -181,7 +181,9 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (!br.active) return;
-  const bool has_key = total > acc_t(0);
+  // total is 0 for a row without keys (zeros, lse = -inf) and NaN for a row whose logits are
+  // NaN, which has keys: its output and lse are NaN, as on every other route.
+  const bool has_key = !(total <= acc_t(0));
   acc.store(out + base + i * a.dim, a.dim, has_key ? acc_t(1) / total : acc_t(0));
   if (threadIdx.x % 32 == 0) {
     lse[br.bh * a.length + i] = has_key ? row_max + log(total) : neg_inf;

@@ -444,10 +444,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float total = group_sum(row_sum[r]);
-    inverse[r] = total > 0.f ? 1.f / total : 0.f;  // a row without keys gives zeros
+    // 0 for a row without keys (zeros, lse = -inf); NaN for a row whose logits are NaN, which
+    // has keys: its output and lse are NaN, as on every other route.
+    const bool has_key = !(total <= 0.f);
+    inverse[r] = has_key ? 1.f / total : 0.f;
     if (lp.t == 0 && rows[r] < bp.length) {
-      lse[bp.bh * a.length + rows[r]] =
-          total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
+      lse[bp.bh * a.length + rows[r]] = has_key ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
     }
   }
   store_rows<scalar_t, D>(out + bp.base, warp_row0, bp.length, o, inverse, lp);

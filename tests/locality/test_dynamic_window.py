@@ -8,8 +8,10 @@ from torch.utils._pytree import tree_flatten
 
 from local_attn_fairseq.locality.dynamic_window import (
     DynamicWindow,
+    prefix_and_suffix_sums,
     reverse_cumsum,
     soft_window_mask,
+    sums_by_product,
 )
 
 D, H, HD = 12, 3, 4
@@ -148,6 +150,26 @@ def test_reverse_cumsum_keeps_small_tails_accurate_and_zero_tails_zero():
     exact = phi.flip(-1).cumsum(-1).flip(-1)
     torch.testing.assert_close(tail[:, :40].double(), exact[:, :40], rtol=1e-5, atol=0.0)
     assert (tail[:, 40:] == 0).all()
+
+
+@pytest.mark.parametrize("sums", [sums_by_product, prefix_and_suffix_sums])
+def test_both_sums_of_the_product_are_the_scans_with_exact_zero_tails(sums):
+    """The product with [L | L^T] (a GPU's route for up to MATMUL_SCAN_MAX_KEYS keys) gives
+    what cumsum and reverse_cumsum give: small tails accurate, tails of zeros exactly 0, heads
+    of zeros exactly 0, and the same gradients."""
+    decaying = torch.cat([torch.zeros(2), 0.5 ** torch.arange(40.0), torch.zeros(3)])
+    phi = torch.stack([decaying / decaying.sum(), torch.softmax(torch.randn(45), -1)])
+    phi = phi[:, None].expand(2, 3, 45).float().requires_grad_()
+    at_most, at_least = sums(phi)
+    exact_most, exact_least = phi.double().cumsum(-1), reverse_cumsum(phi.double())
+    torch.testing.assert_close(at_most.double(), exact_most, rtol=1e-5, atol=1e-7)
+    nonzero = (slice(None), slice(None), slice(0, 42))
+    torch.testing.assert_close(at_least[nonzero].double(), exact_least[nonzero], rtol=1e-5, atol=0)
+    assert (at_least[0, :, 42:] == 0).all() and (at_most[0, :, :2] == 0).all()
+    weights = torch.randn(2, 2, 3, 45)
+    grad = torch.autograd.grad((at_most * weights[0] + at_least * weights[1]).sum(), phi)[0]
+    expected = weights[0].flip(-1).cumsum(-1).flip(-1) + weights[1].cumsum(-1)
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
 
 
 # -- the module ---------------------------------------------------------------------------------
@@ -310,6 +332,28 @@ def test_cuda_matches_cpu(segment_size, causal):
     gpu = window.cuda()
     mask = gpu((q if not causal else k[:, 2:]).cuda(), k.cuda(), pad.cuda(), causal)
     torch.testing.assert_close(mask.cpu(), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("length", [3, 40, 256, 300])  # the product up to 256 keys, then scans
+@pytest.mark.parametrize("segment_size,causal", [(None, True), (None, False), (4, False)])
+def test_cuda_masks_and_gradients_match_cpu_on_both_scans(length, segment_size, causal):
+    window = module(segment_size)
+    states = torch.randn(3, length, D)
+    pad = padding([length, length - 2, 1], length, left=not causal)
+    grad_mask = torch.randn(3, H, length, length)
+    results = []
+    for device in ("cpu", "cuda"):
+        window.to(device).zero_grad()
+        mask = window(states.to(device), states.to(device), pad.to(device), causal)
+        (mask * grad_mask.to(device)).sum().backward()
+        # copies: Module.to moves the gradients of the parameters along with them
+        results.append((mask.cpu(), [p.grad.detach().cpu().clone() for p in window.parameters()]))
+    (cpu_mask, cpu_grads), (gpu_mask, gpu_grads) = results
+    torch.testing.assert_close(gpu_mask, cpu_mask, rtol=1e-4, atol=1e-5)
+    assert torch.equal(gpu_mask == 0, cpu_mask == 0)  # masked and future keys exactly 0
+    for gpu_grad, cpu_grad in zip(gpu_grads, cpu_grads):
+        torch.testing.assert_close(gpu_grad, cpu_grad, rtol=1e-3, atol=1e-4)
 
 
 # -- validation ---------------------------------------------------------------------------------

@@ -424,11 +424,9 @@ def _nonfinite_rule(q, k, v, left, right, padding):
     return expected.masked_fill(reached, float("nan")), reached
 
 
-@pytest.mark.parametrize("route", IMPLS + ["sdpa"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_a_nonfinite_value_reaches_exactly_the_queries_that_see_it(route, dtype):
-    batch, heads, length, dim = 2, 2, 150, 8
-    q, k, v = (t.detach() for t in make_qkv(batch, heads, length, dim, dtype))
+def check_nonfinite_values_reach_exactly_their_queries(route, dtype, dim=8, device="cpu"):
+    batch, heads, length = 2, 2, 150
+    q, k, v = (t.detach() for t in make_qkv(batch, heads, length, dim, dtype, device=device))
     v[0, 0, 70] = float("nan")  # a whole value row
     v[0, 1, 3, 2] = float("inf")  # one entry, near the start
     v[1, :, 100] = float("nan")  # a padded key: reaches nothing
@@ -437,26 +435,43 @@ def test_a_nonfinite_value_reaches_exactly_the_queries_that_see_it(route, dtype)
     padding[1, 95:105] = True
     left, right = [5, 30], [9, 0]
     with implementation(route):
-        out = banded_attention(q, k, v, left, right, padding)
+        assert banded_module.choose_route(q.device, dtype, dim) == route
+        out = banded_attention(q, k, v, left, right, padding.to(device)).cpu()
+    q, k, v = (t.cpu().double() for t in (q, k, v))
     expected, reached = _nonfinite_rule(q, k, v, left, right, padding)
     assert 0 < reached.sum() < reached.numel() // 10  # a few rows, not the whole sequence
     assert torch.equal(torch.isnan(out), reached)
     torch.testing.assert_close(out.double(), expected, equal_nan=True, **TOLERANCE[dtype])
 
 
+def check_a_nan_query_makes_its_own_row_nan(route, dtype, dim=8, device="cpu"):
+    """Not zeros: a row whose logits are NaN has keys, unlike a row without any (zeros)."""
+    q, k, v = (t.detach() for t in make_qkv(2, 2, 30, dim, dtype, device=device))
+    padding = torch.zeros(2, 30, dtype=torch.bool, device=device)
+    padding[0] = True
+    padding[0, 5] = False  # sentence 0 has one key, 5
+    padding[1, 20:] = True
+    q[0, 1, 7] = float("nan")  # a whole query row that sees key 5 (window 3 .. 7)
+    q[0, 1, 12] = float("nan")  # a row without keys (window 8 .. 12): zeros all the same
+    q[1, 0, 5, 3] = float("nan")  # one entry: every logit of the row
+    with implementation(route):
+        assert banded_module.choose_route(q.device, dtype, dim) == route
+        out = banded_attention(q, k, v, [3, 4], [2, 0], padding).cpu()
+    expected = torch.zeros(out.shape, dtype=torch.bool)
+    expected[0, 1, 7] = expected[1, 0, 5] = True
+    assert torch.equal(torch.isnan(out), expected)
+    assert not out[0, 1, 12].any() and not out[0, 1, 10:].any()  # rows without keys
+
+
+@pytest.mark.parametrize("route", IMPLS + ["sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_a_nonfinite_value_reaches_exactly_the_queries_that_see_it(route, dtype):
+    check_nonfinite_values_reach_exactly_their_queries(route, dtype)
+
+
 @pytest.mark.parametrize("route", IMPLS + ["sdpa"])
 def test_a_nan_query_makes_its_own_row_nan_on_every_route(route):
-    """Not zeros: a row whose logits are NaN has keys, unlike a row without any."""
-    q, k, v = (t.detach() for t in make_qkv(2, 2, 30, 8, torch.float32))
-    q[0, 1, 12] = float("nan")  # a whole query row
-    q[1, 0, 5, 3] = float("nan")  # one entry: every logit of the row
-    padding = torch.zeros(2, 30, dtype=torch.bool)
-    padding[1, 20:] = True
-    with implementation(route):
-        out = banded_attention(q, k, v, [3, 4], [2, 0], padding)
-    expected = torch.zeros(out.shape, dtype=torch.bool)
-    expected[0, 1, 12] = expected[1, 0, 5] = True
-    assert torch.equal(torch.isnan(out), expected)
+    check_a_nan_query_makes_its_own_row_nan(route, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,6 +657,32 @@ def test_cuda_matches_cpu_with_dropout():
         )
     torch.testing.assert_close(out_gpu.cpu(), out_cpu, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse_gpu.cpu(), lse_cpu, atol=1e-5, rtol=1e-5)
+
+
+# (route, dtype, head dim) of every route a CUDA call can take
+CUDA_ROUTES = [
+    ("extension", torch.float32, 8),
+    ("extension", torch.float16, 24),
+    ("torch", torch.float32, 8),
+    ("sdpa", torch.bfloat16, 16),
+    ("tensor-core", torch.bfloat16, 64),
+    ("tensor-core", torch.float16, 32),
+]
+CUDA_ROUTE_IDS = [f"{r}-{str(t).replace('torch.', '')}-d{d}" for r, t, d in CUDA_ROUTES]
+
+
+@needs_cuda
+@needs_extension
+@pytest.mark.parametrize("route, dtype, dim", CUDA_ROUTES, ids=CUDA_ROUTE_IDS)
+@pytest.mark.parametrize(
+    "check",
+    [check_a_nan_query_makes_its_own_row_nan, check_nonfinite_values_reach_exactly_their_queries],
+    ids=["nan_query_row", "nonfinite_values"],
+)
+def test_cuda_nonfinite_inputs_follow_the_rule_on_every_route(check, route, dtype, dim):
+    if route == "tensor-core" and not EXTENSION.get("tensor_core"):
+        pytest.skip("the extension was built without the tensor-core kernel")
+    check(route, dtype, dim, device="cuda")
 
 
 @needs_cuda
