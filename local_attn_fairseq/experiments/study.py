@@ -77,6 +77,9 @@ ABLATIONS = {
     ),
     "baseline_lr1e-3": ("transformer, lr 1e-3", ["--arch", "transformer", "--lr", "1e-3"]),
     "localness_lr1e-3": localness_ablation("lr 1e-3", "--lr", "1e-3"),
+    "dynwin_lr1e-3": (
+        "transformer_dynwin, lr 1e-3", ["--arch", "transformer_dynwin", "--lr", "1e-3"]
+    ),
     "dynwin_enc": (
         "dynamic windows in the encoder only (AW, layers 1-3)",
         ["--arch", "transformer_dynwin",

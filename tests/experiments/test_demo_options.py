@@ -14,7 +14,7 @@ def no_demo_epochs(monkeypatch):
 
 def test_make_demo_trains_on_the_bible_by_default():
     args = demo.parse_args([])
-    assert (args.corpus, args.epochs) == ("bible-en-es", 3)
+    assert (args.corpus, args.epochs) == ("bible-en-es", 2)
 
 
 def test_ding_is_one_option_away_with_its_own_epochs():
