@@ -49,6 +49,11 @@ DEFAULT_L0_PENALTY_SCALE = "sum"
 _NOISE_EPS = 1e-6
 
 
+def _precise(log_alpha: Tensor) -> Tensor:
+    """float32 at least: probabilities and noise of a half-precision model's gates."""
+    return log_alpha.to(torch.promote_types(log_alpha.dtype, torch.float32))
+
+
 class HardConcreteGates(nn.Module):
     """One Hard Concrete gate per head; ``forward()`` gives the gate values (num_heads,)."""
 
@@ -81,12 +86,15 @@ class HardConcreteGates(nn.Module):
                 self.log_alpha.uniform_(-bound, bound)
 
     def _precise_log_alpha(self) -> Tensor:
-        return self.log_alpha.to(torch.promote_types(self.log_alpha.dtype, torch.float32))
+        return _precise(self.log_alpha)
+
+    def closed_shift(self) -> float:
+        """beta log(-gamma / zeta): P(g = 0) = sigmoid(closed_shift - log_alpha)."""
+        return self.temperature * math.log(-self.gamma / self.zeta)
 
     def prob_closed(self) -> Tensor:
         """P(g_h = 0) per head, differentiable in log_alpha."""
-        shift = self.temperature * math.log(-self.gamma / self.zeta)
-        return torch.sigmoid(shift - self._precise_log_alpha())
+        return torch.sigmoid(self.closed_shift() - self._precise_log_alpha())
 
     def prob_open(self) -> Tensor:
         """P(g_h = 1) per head."""
@@ -95,7 +103,7 @@ class HardConcreteGates(nn.Module):
 
     def l0_penalty(self) -> Tensor:
         """L_C = sum_h (1 - P(g_h = 0)): the expected number of non-zero gates."""
-        return (1 - self.prob_closed()).sum()
+        return _expected_open(self._precise_log_alpha(), self.closed_shift())
 
     def open_threshold(self) -> float:
         """The log_alpha above which P(g = 1) > P(g = 0): the two sigmoids' arguments are equal
@@ -114,9 +122,9 @@ class HardConcreteGates(nn.Module):
 
     def sample(self) -> Tensor:
         log_alpha = self._precise_log_alpha()
-        u = torch.rand_like(log_alpha).clamp_(_NOISE_EPS, 1 - _NOISE_EPS)
-        # logit(u) = log u - log(1 - u): one operation instead of four
-        s = torch.sigmoid((torch.logit(u) + log_alpha) / self.temperature)
+        # logit(u) = log u - log(1 - u), u kept in [eps, 1 - eps]: one operation instead of five
+        noise = torch.logit(torch.rand_like(log_alpha), eps=_NOISE_EPS)
+        s = torch.sigmoid((noise + log_alpha) / self.temperature)
         return (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
 
     def forward(self) -> Tensor:
@@ -124,6 +132,25 @@ class HardConcreteGates(nn.Module):
 
     def extra_repr(self):
         return f"heads={self.num_heads}, temperature={self.temperature:.3g}, init={self.init}"
+
+
+def _expected_open(log_alpha: Tensor, closed_shift: float) -> Tensor:
+    # 1 - sigmoid(shift - log_alpha) = sigmoid(log_alpha - shift), without 1 - p's cancellation
+    return torch.sigmoid(log_alpha - closed_shift).sum()
+
+
+def _log_alphas_by(gates: Iterable[HardConcreteGates], setting) -> Dict[float, Tensor]:
+    """{setting(gate): the float32 log_alphas of the gates that share it, concatenated}: one
+    operation per group (a model's gates all share their settings) instead of a few per module
+    and step."""
+    groups: Dict[float, list] = {}
+    for gate in gates:
+        groups.setdefault(setting(gate), []).append(gate.log_alpha)
+    return {key: _precise(torch.cat(group)) for key, group in groups.items()}
+
+
+def _total(terms: list) -> Tensor:
+    return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
 
 def gated_attention_modules(model: nn.Module) -> Iterable[nn.Module]:
@@ -140,23 +167,28 @@ def l0_penalty(model: nn.Module, scale: str = DEFAULT_L0_PENALTY_SCALE) -> Tenso
         raise ValueError(
             f"unknown L0 penalty scale {scale!r}; expected one of {', '.join(L0_PENALTY_SCALES)}"
         )
-    terms = [m.head_gates.l0_penalty() for m in gated_attention_modules(model)]
-    if not terms:
+    gates = [m.head_gates for m in gated_attention_modules(model)]
+    if not gates:
         raise ValueError(
             "the model has no head gates: train it with --head-gates (e.g. --head-gates enc)"
         )
-    total = torch.stack(terms).sum()
-    return total if scale == "sum" else total / len(terms)
+    by_shift = _log_alphas_by(gates, HardConcreteGates.closed_shift)
+    total = _total([_expected_open(log_alpha, shift) for shift, log_alpha in by_shift.items()])
+    return total if scale == "sum" else total / len(gates)
 
 
 def open_head_counts(model: nn.Module) -> Dict[str, Tensor]:
     """{attention type: heads whose test-time gate is open, over all its layers}, as tensors on
     the gates' device: read every step for the training log, so nothing waits for the GPU."""
-    counts: Dict[str, list] = {}
+    by_type: Dict[str, list] = {}
+    for module in gated_attention_modules(model):
+        by_type.setdefault(module.attention_type, []).append(module.head_gates)
+    counts = {}
     with torch.no_grad():
-        for module in gated_attention_modules(model):
-            counts.setdefault(module.attention_type, []).append(module.head_gates.is_open().sum())
-    return {kind: torch.stack(per_layer).sum() for kind, per_layer in counts.items()}
+        for kind, gates in by_type.items():
+            by_threshold = _log_alphas_by(gates, HardConcreteGates.open_threshold)
+            counts[kind] = _total([(la > t).sum() for t, la in by_threshold.items()])
+    return counts
 
 
 def open_heads(model: nn.Module) -> Dict[str, Dict[int, int]]:

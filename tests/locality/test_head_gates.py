@@ -4,7 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from local_attn_fairseq.locality.head_gates import HardConcreteGates, open_head_counts, open_heads
+from local_attn_fairseq.experiments.measurement import OperationCounter
+from local_attn_fairseq.locality.head_gates import (
+    HardConcreteGates,
+    l0_penalty,
+    open_head_counts,
+    open_heads,
+)
 
 
 @pytest.mark.parametrize("temperature", [2 / 3, 0.33])
@@ -149,3 +155,47 @@ def test_open_head_counts_are_tensors_that_agree_with_open_heads():
     assert all(isinstance(c, torch.Tensor) and not c.requires_grad for c in counts.values())
     assert {kind: int(c) for kind, c in counts.items()} == {"encoder_self": 3, "decoder_cross": 0}
     assert open_heads(model) == {"encoder_self": {0: 2, 1: 1}, "decoder_cross": {0: 0}}
+
+
+class GatedModule(nn.Module):
+    def __init__(self, attention_type, heads, dtype=torch.float32, **settings):
+        super().__init__()
+        self.attention_type, self.layer_index = attention_type, 0
+        self.head_gates = HardConcreteGates(heads, **settings).to(dtype)
+        with torch.no_grad():
+            self.head_gates.log_alpha.uniform_(-3, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_the_model_penalty_and_counts_are_the_modules_own_in_a_few_operations(dtype):
+    """Gates of one setting are taken together (one concatenation, sigmoid and sum for the
+    whole model); gates of other settings in their own group; same values and gradients as
+    each module's own L_C and open heads."""
+    torch.manual_seed(0)
+    model = nn.ModuleList(
+        [GatedModule("encoder_self", 8, dtype) for _ in range(5)]
+        + [GatedModule("decoder_cross", 4, dtype, temperature=0.33) for _ in range(2)]
+        + [GatedModule("decoder_cross", 8, dtype, stretch=(-0.2, 1.05))]
+    )
+    gates = [m.head_gates for m in model]
+    for scale, divisor in (("sum", 1), ("per-layer-mean", len(gates))):
+        penalty = l0_penalty(model, scale)
+        per_module = torch.stack([g.l0_penalty() for g in gates]).sum() / divisor
+        expected = torch.stack([(1 - g.prob_closed()).sum() for g in gates]).sum() / divisor
+        assert penalty.dtype == torch.float32
+        torch.testing.assert_close(penalty, per_module)
+        torch.testing.assert_close(penalty, expected)
+        grads = torch.autograd.grad(penalty, [g.log_alpha for g in gates])
+        expected_grads = torch.autograd.grad(expected, [g.log_alpha for g in gates])
+        for grad, want in zip(grads, expected_grads):
+            torch.testing.assert_close(grad, want)
+    counts = {kind: int(c) for kind, c in open_head_counts(model).items()}
+    per_type = {}
+    for m in model:
+        per_type[m.attention_type] = per_type.get(m.attention_type, 0) + int(
+            m.head_gates.is_open().sum()
+        )
+    assert counts == per_type and 0 < counts["encoder_self"] < 40
+    with OperationCounter() as operations:
+        l0_penalty(model).backward()
+    assert operations.count <= 25  # three groups; per module it was about 8 a module
