@@ -15,6 +15,7 @@ from local_attn_fairseq.locality.dynamic_window import (
 )
 
 D, H, HD = 12, 3, 4
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 aten = torch.ops.aten
 
 
@@ -322,7 +323,7 @@ def test_long_sequence_needs_no_key_by_key_product_nor_cubic_memory(segment_size
     assert mask.shape == (1, 1, length, length) and torch.isfinite(mask).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("segment_size,causal", [(None, True), (3, False)])
 def test_cuda_matches_cpu(segment_size, causal):
     window = module(segment_size)
@@ -334,7 +335,7 @@ def test_cuda_matches_cpu(segment_size, causal):
     torch.testing.assert_close(mask.cpu(), expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("length", [3, 40, 256, 300])  # the product up to 256 keys, then scans
 @pytest.mark.parametrize("segment_size,causal", [(None, True), (None, False), (4, False)])
 def test_cuda_masks_and_gradients_match_cpu_on_both_scans(length, segment_size, causal):
