@@ -213,3 +213,14 @@ def trained_checkpoint(tiny_data, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("ckpt_tied")
     train_tiny(tiny_data, save_dir, arch="transformer_local_tied")
     return save_dir / "checkpoint_last.pt"
+
+
+def snapshot(folder):
+    """{relative path: bytes} of every file under `folder`."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, folder)] = f.read()
+    return files

@@ -6,7 +6,8 @@
   held out for validation and test;
 - ``agreement``: a subject-verb agreement classification set from Ding's English side
   (Nguyen et al.'s Table 5 task);
-- ``speech_corpus``: Ding's English spoken by espeak-ng, a synthetic corpus in MuST-C's layout;
+- ``speech_corpus``: the English side of Ding's pairs or of the Bible verses spoken by espeak-ng,
+  a synthetic corpus in MuST-C's layout;
 - ``mustc``: MuST-C (or that synthetic corpus) to fairseq's ``speech_to_text`` manifests.
 
 The scripts in ``scripts/`` and ``scripts/data/`` call the ``main`` of these modules.

@@ -7,8 +7,12 @@ use it, so the builders cache their results at module level.
 """
 
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
+import yaml
 
 from ..conftest import REPO
 
@@ -18,6 +22,11 @@ UTTERANCES_PER_TALK = 3
 VOCAB_SIZE = 120
 
 _BUILT = {}
+
+needs_espeak = pytest.mark.skipif(not shutil.which("espeak-ng"), reason="espeak-ng speaks")
+needs_diatheke = pytest.mark.skipif(
+    not shutil.which("diatheke"), reason="diatheke reads the SWORD Bibles"
+)
 
 
 def run_script(name, *args):
@@ -61,3 +70,16 @@ def prepared(tmp_path_factory, audio_format):
 
 def log(name):
     return _BUILT[name]
+
+
+def split_dir(root, split, pair="en-de"):
+    return root / pair / "data" / split
+
+
+def read_split(root, split, pair="en-de", sides=("en", "de")):
+    """(yaml segments, {side: lines}) of one split of a corpus in MuST-C's layout."""
+    txt = split_dir(root, split, pair) / "txt"
+    with open(txt / f"{split}.yaml", encoding="utf-8") as f:
+        segments = yaml.load(f, Loader=yaml.BaseLoader)
+    lines = {side: (txt / f"{split}.{side}").read_text("utf-8").splitlines() for side in sides}
+    return segments, lines

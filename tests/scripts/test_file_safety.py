@@ -1,7 +1,6 @@
 """The scripts never delete or overwrite what they did not write, and write atomically."""
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -9,29 +8,17 @@ import torch
 from local_attn_fairseq.file_safety import OWNER_MARKER, replace_own_dir
 from local_attn_fairseq.modules import head_pruning
 
-from ..conftest import REPO, run_script, train_tiny
-from .speech_corpus import SCRIPTS
+from ..conftest import REPO, run_script, snapshot, train_tiny
+from .speech_corpus import SCRIPTS, needs_espeak
 
 SYNTHESIZER = os.path.join(SCRIPTS, "synthesize_speech_corpus.py")
 PREPARER = os.path.join(SCRIPTS, "prepare_mustc.py")
 PRUNER = os.path.join(REPO, "scripts", "prune_heads.py")
-needs_espeak = pytest.mark.skipif(not shutil.which("espeak-ng"), reason="espeak-ng speaks")
 
 
 def run(script, *args):
     """A script of the repository with `args`, in this process (tests/conftest.py run_script)."""
     return run_script(os.path.relpath(script, REPO), *args)
-
-
-def snapshot(folder):
-    """{relative path: bytes} of every file under `folder`."""
-    files = {}
-    for root, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                files[os.path.relpath(path, folder)] = f.read()
-    return files
 
 
 def test_replace_own_dir_removes_only_its_own_folders(tmp_path):

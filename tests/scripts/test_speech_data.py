@@ -12,7 +12,15 @@ import yaml
 from local_attn_fairseq.data import mustc as prepare_mustc
 from local_attn_fairseq.data import speech_corpus as synthesize_speech_corpus
 
-from .speech_corpus import SIZES, UTTERANCES_PER_TALK, log, prepared, synthetic_corpus
+from .speech_corpus import (
+    SIZES,
+    UTTERANCES_PER_TALK,
+    log,
+    prepared,
+    read_split,
+    split_dir,
+    synthetic_corpus,
+)
 
 
 @pytest.fixture(scope="session")
@@ -28,18 +36,6 @@ def fbank_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def wav_data(tmp_path_factory):
     return prepared(tmp_path_factory, "wav")
-
-
-def split_dir(root, split):
-    return root / "en-de" / "data" / split
-
-
-def read_split(root, split):
-    txt = split_dir(root, split) / "txt"
-    with open(txt / f"{split}.yaml", encoding="utf-8") as f:
-        segments = yaml.load(f, Loader=yaml.BaseLoader)
-    lines = {lg: (txt / f"{split}.{lg}").read_text("utf-8").splitlines() for lg in ("en", "de")}
-    return segments, lines
 
 
 def read_manifest(path):
@@ -67,6 +63,10 @@ def test_synthesis_writes_mustc_layout_with_offsets(corpus):
         segments, lines = read_split(corpus, split)
         assert len(segments) == len(lines["en"]) == len(lines["de"]) == size
         assert len(os.listdir(split_dir(corpus, split) / "wav")) == size // UTTERANCES_PER_TALK
+        # Ding's files are MuST-C's en-de files, no more (the Bible's corpus adds <split>.ref)
+        assert sorted(os.listdir(split_dir(corpus, split) / "txt")) == [
+            f"{split}.{ext}" for ext in ("de", "en", "yaml")
+        ]
         for seg, en in zip(segments, lines["en"]):
             assert set(seg) == {"duration", "offset", "rW", "uW", "speaker_id", "wav"}
             assert int(seg["rW"]) == len(en.split()) and seg["speaker_id"] in speakers
