@@ -50,7 +50,7 @@ import time
 from ..cli_types import non_negative_int, positive_int
 from . import demo, study
 from .fairseq_runner import USER_DIR, exit_on_failure
-from .study_report import StudyCorpus, run_corpus, write_report
+from .study_report import StudyCorpus, recorded_result, run_corpus, write_report
 from .training_progress import console_logging
 
 # --tiny: the demo's layers and heads at widths that make a smoke run of the study quick
@@ -71,6 +71,14 @@ def study_schedule():
     """The demo's schedule without its seed (each run has its own) and with the last
     checkpoint kept (resuming needs it)."""
     return study.without_options(demo.SCHEDULE, {"--seed": 1, "--no-last-checkpoints": 0})
+
+
+def section_name(text):
+    """An argparse ``type`` for --section: it names markers and files, so letters, digits, -
+    and _ only."""
+    if not text or not all(c.isalnum() or c in "-_" for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r}: use letters, digits, '-' and '_' only")
+    return text
 
 
 def seed_list(text):
@@ -156,6 +164,20 @@ def parse_args(argv):
         help="train nothing: report the runs recorded so far (a study in progress)",
     )
     parser.add_argument(
+        "--section",
+        type=section_name,
+        help="report into its own section of the documents (markers, curves and JSON named "
+        "after it) instead of the main report: e.g. 'convergence' for runs under a higher cap",
+    )
+    parser.add_argument(
+        "--compare-records",
+        help="a folder of records of the same study under another budget (--compare-max-update): "
+        "each claim's verdict there is shown beside this study's",
+    )
+    parser.add_argument(
+        "--compare-max-update", type=positive_int, help="the cap of the --compare-records runs"
+    )
+    parser.add_argument(
         "--write-docs",
         action="store_true",
         help="also write the report into docs/small_scale_study.md and docs/images/ of the "
@@ -171,6 +193,8 @@ def parse_args(argv):
         if unknown:
             names = ", ".join(sorted(unknown))
             parser.error(f"{option}: unknown {names} (known: {', '.join(known)})")
+    if (args.compare_records is None) != (args.compare_max_update is None):
+        parser.error("--compare-records and --compare-max-update go together")
     args.seed_list = args.seeds
     return args
 
@@ -210,6 +234,11 @@ def run_study(args, argv):
             data, corpus_dir, base, args.models.split(","), args.seed_list,
             max_update, args.patience, args.jobs, records, train=not args.report_only,
         )  # fmt: skip
+        if args.compare_records:
+            result["compared"] = recorded_result(
+                data, corpus_dir, base, args.models.split(","),
+                os.path.abspath(args.compare_records), args.compare_max_update, args.patience,
+            )  # fmt: skip
         results.append(dict(result, max_update=max_update))
     settings = {
         "command": "python scripts/small_scale_study.py "
@@ -220,12 +249,14 @@ def run_study(args, argv):
         "patience": args.patience,
         "seeds": args.seed_list,
         "jobs": args.jobs,
+        "section": args.section,
     }
     targets = [(os.path.join(work, "small_scale_study.md"), os.path.join(work, "images"))]
     if args.write_docs:
         docs = os.path.abspath(DOCS)
         targets.append((os.path.join(docs, "small_scale_study.md"), os.path.join(docs, "images")))
-    text = write_report(results, settings, targets, os.path.join(work, "small_scale_study.json"))
+    report_json = f"small_scale_study{'_' + args.section if args.section else ''}.json"
+    text = write_report(results, settings, targets, os.path.join(work, report_json))
     print(text)
     print("(written to " + ", ".join(md for md, _ in targets) + ")")
 

@@ -235,8 +235,9 @@ RECORD_FIELDS = (
 )  # fmt: skip
 
 
-def read_record(path, max_update, patience):
-    """The record at ``path`` if it is one of a run under this budget, else None."""
+def read_record(path, max_update, patience, fields=RECORD_FIELDS):
+    """The record at ``path`` if it is one of a run under this budget, else None; ``fields``
+    are those it must hold, the budget's two first."""
     if not os.path.exists(path):
         return None
     try:
@@ -246,10 +247,10 @@ def read_record(path, max_update, patience):
         raise RunFailed(f"{path} is not a record of a study run ({e}): move it away") from None
     if not isinstance(record, dict):
         raise RunFailed(f"{path} is not a record of a study run (not a JSON object): move it away")
-    missing = [field for field in RECORD_FIELDS[:2] if field not in record]
+    missing = [field for field in fields[:2] if field not in record]
     if not missing and (record["max_update"], record["patience"]) != (max_update, patience):
         return None  # a run under another budget: not read, whatever else it holds
-    missing += [field for field in RECORD_FIELDS[2:] if field not in record]
+    missing += [field for field in fields[2:] if field not in record]
     if missing:
         raise RunFailed(
             f"{path} is not a complete record of a study run: it lacks {', '.join(missing)}; "

@@ -140,6 +140,23 @@ def run_corpus(
     }
 
 
+def recorded_result(corpus, work, base_argv, models, records, max_update, patience):
+    """What `records` holds of `models` on this corpus under this budget, every seed recorded
+    there (e.g. the fixed-budget study beside a study to convergence); nothing is trained."""
+    seeds = set()
+    for name in models:
+        prefix = f"{corpus.name}-{name}-seed"
+        for file in os.listdir(records) if os.path.isdir(records) else []:
+            seed = file[len(prefix) :].split("-", 1)[0]
+            if file.startswith(prefix) and seed.isdigit():
+                seeds.add(int(seed))
+    result = run_corpus(
+        corpus, work, base_argv, models, sorted(seeds), max_update, patience, 1, records,
+        train=False,
+    )  # fmt: skip
+    return dict(result, max_update=max_update)
+
+
 # Each paper's qualitative claim, as the study can test it against the baseline:
 # (model, paper, claim, kind). "better": the model's BLEU is above the baseline's by more than
 # the seeds' spread; "no worse": it is at most NO_WORSE_MARGIN below; "pruned": no worse, with
@@ -193,8 +210,63 @@ def counted(number, noun):
     return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
-def claims_lines(result):
-    """The claims table of one corpus: every claim whose model and the baseline were run."""
+RATE_SUFFIX = "_lr"  # a model trained at another learning rate: <model>_lr<rate>
+DEFAULT_RATE = "3e-3"  # the demo's schedule
+
+
+def best_validation_loss(summary):
+    """Mean over seeds of each run's best validation loss: what chooses a model's rate (its
+    test BLEU never does)."""
+    return sum(min(v["loss"] for v in r["validations"]) for r in summary["runs"]) / len(
+        summary["runs"]
+    )
+
+
+def at_better_rate(models):
+    """{model: (summary, rate)} for every model trained at more than one learning rate (the
+    ``<model>_lr<rate>`` ablations beside it), each at the rate of its lower validation loss."""
+    chosen = {}
+    for name, summary in models.items():
+        if RATE_SUFFIX in name:
+            continue
+        rates = {DEFAULT_RATE: summary}
+        for other, other_summary in models.items():
+            if other.startswith(name + RATE_SUFFIX):
+                rates[other[len(name + RATE_SUFFIX) :]] = other_summary
+        if len(rates) > 1:
+            chosen[name] = min(rates.items(), key=lambda item: best_validation_loss(item[1]))[::-1]
+    return chosen
+
+
+def rate_lines(models):
+    """The models trained at two rates: each rate's validation loss and BLEU, the better one."""
+    chosen = at_better_rate(models)
+    if not chosen:
+        return []
+    lines = [
+        "Models trained at more than one learning rate (seeds of each rate as recorded); the "
+        "better rate is the one of the lower best validation loss, never of the higher BLEU:",
+        "",
+        "| model | rate | best validation loss | BLEU (mean ± std) | updates to convergence |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, (_, rate) in chosen.items():
+        for other in [name] + [m for m in models if m.startswith(name + RATE_SUFFIX)]:
+            summary = models[other]
+            this_rate = other[len(name + RATE_SUFFIX) :] if other != name else DEFAULT_RATE
+            mark = " (better)" if this_rate == rate else ""
+            lines.append(
+                f"| {models[name]['label']} | {this_rate}{mark} | "
+                f"{best_validation_loss(summary):.3f} | {summary['bleu_mean']:.2f} ± "
+                f"{summary['bleu_std']:.2f} | {summary['updates_to_convergence']:,} |"
+            )
+    return lines + [""]
+
+
+def claims_lines(result, compared=None):
+    """The claims table of one corpus: every claim whose model and the baseline were run; with
+    ``compared`` (the same corpus under another budget, e.g. the fixed-budget study) its
+    verdicts beside, and for models trained at two rates, the verdict at the better rates."""
     models = result["models"]
     claimed = [c for c in CLAIMS if c[0] in models]
     if "baseline" not in models or not claimed:
@@ -202,18 +274,37 @@ def claims_lines(result):
     # a study in progress may have more seeds of some models than of others
     seeds = sorted({len(models[name]["runs"]) for name in ["baseline"] + [c[0] for c in claimed]})
     over = counted(seeds[0], "seed") if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]} seeds"
+    better = at_better_rate(models)
+    columns = ["measured", "verdict"]
+    if better:
+        columns.append("at each model's better rate")
+    if compared:
+        columns.append(f"at a cap of {compared['max_update']:,} updates")
     lines = [
         f"The papers' claims against this corpus's runs (BLEU mean ± std over {over}, "
         f"model vs baseline; \"little\" is at most {NO_WORSE_MARGIN:.0f} BLEU"
         + ("; one seed gives no spread, so a verdict is provisional" if seeds[0] < 2 else "")
         + "):",
         "",
-        "| paper | claim | measured | verdict |",
-        "|---|---|---|---|",
+        "| paper | claim | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(columns),
     ]
+    baseline_better = better.get("baseline", (models["baseline"], DEFAULT_RATE))
     for name, paper, claim, kind in claimed:
         measured, verdict = claim_verdict(kind, models[name], models["baseline"])
-        lines.append(f"| {paper} | {claim} | {measured} | {verdict} |")
+        cells = [measured, verdict]
+        if better:
+            model, rate = better.get(name, (models[name], DEFAULT_RATE))
+            at_rate, rate_verdict = claim_verdict(kind, model, baseline_better[0])
+            cells.append(f"{rate_verdict}: lr {rate} vs {baseline_better[1]}, {at_rate}")
+        if compared:
+            other = compared["models"]
+            if name in other and "baseline" in other:
+                was, was_verdict = claim_verdict(kind, other[name], other["baseline"])
+                cells.append(f"{was_verdict}: {was}")
+            else:
+                cells.append("not run")
+        lines.append(f"| {paper} | {claim} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -258,7 +349,7 @@ def corpus_section(result, settings, image):
             "so far; the rows show the seeds recorded (models without any are left out), and "
             "running the study again continues from the records.",
         ]
-    lines += ["", *claims_lines(result)]
+    lines += ["", *claims_lines(result, result.get("compared")), *rate_lines(result["models"])]
     lines += [
         f"![Validation loss of every run against updates and training time, "
         f"{result['description']}](images/{image})",
@@ -277,10 +368,20 @@ def training_hours(results):
     return seconds / 3600
 
 
+def section_markers(name=None):
+    """The markers of the report's section in a document: one section per ``--section`` name
+    (the unnamed one is the study's main report)."""
+    if not name:
+        return REPORT_START, REPORT_END
+    return (REPORT_START.replace(": start", f" ({name}): start"),
+            REPORT_END.replace(": end", f" ({name}): end"))  # fmt: skip
+
+
 def report(results, settings, images):
     """The study's Markdown section; `images` names each corpus's curve file."""
+    name = settings.get("section")
     lines = [
-        "## Study to convergence",
+        "## Study to convergence" + (f": {name}" if name else ""),
         "",
         f"The demo's model ({settings['model']}, 8 heads, 6 encoder and 2 decoder layers, "
         f"pre-norm) and schedule, {counted(settings['jobs'], 'run')} side by side with the cores "
@@ -302,19 +403,22 @@ def report(results, settings, images):
     return "\n".join(lines)
 
 
-def replace_section(document, section):
-    """`document` with the text between the report markers replaced (markers appended if absent)."""
-    block = f"{REPORT_START}\n{section}\n{REPORT_END}"
-    if REPORT_START in document and REPORT_END in document:
-        head, rest = document.split(REPORT_START, 1)
-        return head + block + rest.split(REPORT_END, 1)[1]
+def replace_section(document, section, start=REPORT_START, end=REPORT_END):
+    """`document` with the text between two markers replaced (markers appended if absent)."""
+    block = f"{start}\n{section}\n{end}"
+    if start in document and end in document:
+        head, rest = document.split(start, 1)
+        return head + block + rest.split(end, 1)[1]
     return document.rstrip("\n") + "\n\n" + block + "\n"
 
 
 def write_report(results, settings, targets, json_path):
     """Write the curves and the report to every (markdown path, image folder) of `targets`; a
-    Markdown file that exists keeps everything outside the report markers. Returns the report."""
-    images = {r["corpus"]: f"small_scale_study_{r['corpus']}.png" for r in results}
+    Markdown file that exists keeps everything outside the report markers (those of
+    ``settings["section"]``, the main report's without one). Returns the report."""
+    name = settings.get("section")
+    suffix = f"_{name}" if name else ""
+    images = {r["corpus"]: f"small_scale_study_{r['corpus']}{suffix}.png" for r in results}
     section = report(results, settings, images)
     for markdown_path, image_dir in targets:
         for result in results:
@@ -332,7 +436,9 @@ def write_report(results, settings, targets, json_path):
         if os.path.exists(markdown_path):
             with open(markdown_path, encoding="utf-8") as f:
                 existing = f.read()
-        document = replace_section(existing or "# Small-scale study\n", section)
+        document = replace_section(
+            existing or "# Small-scale study\n", section, *section_markers(name)
+        )
         atomic_write_text(markdown_path, document)
     atomic_write_text(json_path, json.dumps({"settings": settings, "corpora": results}, indent=2))
     return section

@@ -215,6 +215,61 @@ def test_claims_table_compares_each_paper_model_with_the_baseline():
     assert study_report.claims_lines(result) == []
 
 
+def summary_of(bleus, best_losses):
+    """A model's summary over seeds, each run with its BLEU and a validation curve reaching
+    its best loss."""
+    runs = [{"bleu": b, "updates_to_convergence": 1, "updates_trained": 1, "converged": True,
+             "train_words_per_s": 1.0, "encoder_attention_params": 1,
+             "validations": [{"loss": loss + 1.0}, {"loss": loss}]}
+            for b, loss in zip(bleus, best_losses)]  # fmt: skip
+    return dict(study.summarise(runs), runs=runs, label="model")
+
+
+def test_each_model_takes_the_rate_of_its_lower_validation_loss_not_of_its_bleu():
+    models = {
+        "baseline": summary_of([5.0, 6.0], [4.0, 4.2]),
+        "baseline_lr1e-3": summary_of([9.0, 9.0], [4.5, 4.5]),  # higher BLEU, higher loss
+        "localness": summary_of([3.0, 3.0], [4.6, 4.6]),
+        "localness_lr1e-3": summary_of([6.0, 7.0], [4.0, 4.0]),
+        "dynwin": summary_of([5.0, 6.0], [4.1, 4.1]),  # one rate only
+    }
+    chosen = study_report.at_better_rate(models)
+    assert {name: rate for name, (_, rate) in chosen.items()} == {
+        "baseline": "3e-3", "localness": "1e-3",
+    }  # fmt: skip
+    assert chosen["localness"][0] is models["localness_lr1e-3"]
+    table = "\n".join(study_report.claims_lines({"models": models}))
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
+    # at 3e-3 localness trails the baseline; at its better rate it is ahead by 1.0 BLEU
+    assert "| does not hold | " in rows["Yang et al. 2018"]
+    assert rows["Yang et al. 2018"].endswith("| not shown (within the seeds' spread): lr 1e-3 "
+                                             "vs 3e-3, 6.50 ± 0.71 vs 5.50 ± 0.71 (+1.00) |")
+    rates = "\n".join(study_report.rate_lines(models))
+    assert "| model | 1e-3 (better) | 4.000 | 6.50 ± 0.71 | 1 |" in rates
+    assert "dynwin" not in chosen
+
+
+def test_claims_show_the_verdicts_of_another_budget_beside():
+    models = {"baseline": summary_of([5.0, 6.0], [4.0, 4.0]),
+              "local_tied": summary_of([8.0, 9.0], [3.5, 3.5])}  # fmt: skip
+    compared = {"max_update": 8000, "models": {"baseline": summary_of([4.0], [4.0]),
+                                               "local_tied": summary_of([2.0], [4.0])}}
+    line = study_report.claims_lines({"models": models}, compared)[-2]
+    assert line.endswith("| holds | does not hold: 2.00 ± 0.00 vs 4.00 ± 0.00 (-2.00) |")
+    assert "at a cap of 8,000 updates" in study_report.claims_lines({"models": models}, compared)[2]
+    compared["models"].pop("local_tied")
+    assert study_report.claims_lines({"models": models}, compared)[-2].endswith("| not run |")
+
+
+def test_a_named_section_has_its_own_markers(tmp_path):
+    start, end = study_report.section_markers("convergence")
+    assert start == "<!-- small-scale study report (convergence): start -->"
+    document = study_report.replace_section("# Doc\n", "main")
+    document = study_report.replace_section(document, "to convergence", start, end)
+    document = study_report.replace_section(document, "main, again")
+    assert "main, again" in document and "to convergence" in document and "main\n" not in document
+
+
 def build_study_model(data_bin, name):
     """The model a study run of ``name`` trains (at the --tiny widths), built by fairseq's own
     argument parsing from the run's options."""
