@@ -24,22 +24,14 @@ speed. Target: local >= 1.5x faster than global at 60 s.
 
 import argparse
 import os
-import statistics
 import sys
-import time
-from argparse import Namespace
 
 # As in benchmarks/banded_attention.py: passive OpenMP workers on a shared machine.
 if "--spin" not in sys.argv:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from fairseq.data import Dictionary  # noqa: E402
 
-from local_attn_fairseq.experiments.measurement import (  # noqa: E402
-    device_seconds_per_call,
-    peak_bytes,
-)
 from local_attn_fairseq.cli_types import output_file, positive_int  # noqa: E402
 from local_attn_fairseq.experiments.measurement import (  # noqa: E402
     add_overwrite_option,
@@ -47,92 +39,16 @@ from local_attn_fairseq.experiments.measurement import (  # noqa: E402
     starts_with,
     write_output_file,
 )
-from local_attn_fairseq.models.s2t_transformer_local import (  # noqa: E402
-    PAPER_WINDOWS,
-    S2TTransformerLocalModel,
-    s2t_transformer_local,
+from local_attn_fairseq.experiments.speech_encoder_cost import (  # noqa: E402
+    FRAMES_PER_SECOND,
+    build_encoder,
+    matmul_flops,
+    measure,
 )
+from local_attn_fairseq.models.s2t_transformer_local import PAPER_WINDOWS  # noqa: E402
 
-FBANK_DIM = 80
-FRAMES_PER_SECOND = 100
 MiB = 2**20
 TARGET_SPEEDUP = 1.5
-
-
-def build_encoder(windows: str, device, dtype=torch.float32):
-    args = Namespace(
-        input_feat_per_channel=FBANK_DIM,
-        input_channels=1,
-        max_source_positions=100_000,
-        max_target_positions=1024,
-        encoder_attention_windows=windows,
-    )
-    s2t_transformer_local(args)
-    dictionary = Dictionary()
-    model = S2TTransformerLocalModel.build_model(args, Namespace(target_dictionary=dictionary))
-    return model.encoder.to(device=device, dtype=dtype).train(), args
-
-
-def encoder_loss(encoder, features, lengths):
-    return encoder(features, lengths)["encoder_out"][0].sum()
-
-
-def step(encoder, features, lengths):
-    """One forward + backward; gradients dropped so that each step starts alike."""
-    encoder_loss(encoder, features, lengths).backward()
-    encoder.zero_grad(set_to_none=True)
-
-
-def timed_step(encoder, features, lengths):
-    sync = torch.cuda.synchronize if features.is_cuda else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    step(encoder, features, lengths)
-    sync()
-    return time.perf_counter() - start
-
-
-def peak_memory(encoder, features, lengths):
-    # peak_bytes runs fn(*inputs).backward(ones): the loss is already a scalar.
-    peak = peak_bytes(lambda f: encoder_loss(encoder, f, lengths), (features,), backward=True)
-    encoder.zero_grad(set_to_none=True)
-    return peak
-
-
-def matmul_flops(args, fbank_frames: int, batch: int, windows) -> float:
-    """Forward + backward (3x forward) operations of the encoder's matrix products."""
-    d, ffn = args.encoder_embed_dim, args.encoder_ffn_embed_dim
-    kernels = [int(k) for k in args.conv_kernel_sizes.split(",")]
-    frames, forward = fbank_frames, 0.0
-    channels = [FBANK_DIM, args.conv_channels // 2]
-    outputs = [args.conv_channels, 2 * d]
-    for k, c_in, c_out in zip(kernels, channels, outputs):
-        frames = (frames - 1) // 2 + 1
-        forward += 2 * frames * c_in * k * c_out
-    for w in windows:
-        keys = frames if w == 0 else min(w, frames)
-        forward += 2 * frames * (4 * d * d + 2 * d * ffn) + 4 * frames * keys * d
-    return 3 * forward * batch
-
-
-def measure(models, seconds, args):
-    frames = seconds * FRAMES_PER_SECOND
-    features = torch.randn(args.batch, frames, FBANK_DIM, device=args.device, dtype=args.dtype)
-    lengths = torch.full((args.batch,), frames, dtype=torch.long, device=args.device)
-    names = list(models)
-    for name in names:  # warm-up, not timed
-        step(models[name], features, lengths)
-    times = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(timed_step(models[name], features, lengths))
-    memory = {name: peak_memory(models[name], features, lengths) for name in names}
-    busy = {name: None for name in names}
-    if features.is_cuda:  # the GPU's own share of a step (the rest is the host's)
-        for name in names:
-            model = models[name]
-            busy[name] = device_seconds_per_call(lambda: step(model, features, lengths), 1)
-    return {name: (statistics.median(times[name]), memory[name], busy[name]) for name in names}
 
 
 # The first words of the table (and of the --output file) this benchmark writes.
@@ -199,8 +115,8 @@ def main(argv=None):
     print("\n".join(lines), flush=True)
     speedups = {}
     for seconds in args.seconds:
-        result = measure(models, seconds, args)
         frames = seconds * FRAMES_PER_SECOND
+        result = measure(models, frames, args.batch, args.rounds, args.device, args.dtype)
         encoder_frames = int(local.subsample.get_out_seq_lens_tensor(torch.tensor([frames])))
         (t_global, m_global, b_global), (t_local, m_local, b_local) = (
             result["global"],

@@ -12,6 +12,10 @@
 - ``study``, ``study_report``, ``small_scale_study``: resumable training runs keyed by their
   settings, trained until validation loss stops improving, and the study report with learning
   curves; ``fairseq_train``: fairseq-train with early stopping that survives a restart;
+- ``speech_study``: Alastruey et al.'s claim on spoken Bible verses (ASR, windows from its
+  contributions, global and local ST arms over seeds) on the same runner and records;
+- ``speech_encoder_cost``: a speech encoder's self-attention cost, counted over a corpus's
+  lengths and measured (``benchmarks/speech_encoder.py`` and the speech study);
 - ``measurement``: timing, peak memory, operation counts, host and GPU time of one call, and
   the useful FLOPs and least memory traffic of a banded attention call, for the benchmarks;
 - ``host_overhead``: what one attention call of each mechanism costs against PyTorch's SDPA and

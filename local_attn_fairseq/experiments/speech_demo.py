@@ -86,12 +86,12 @@ def synthesize(corpus, sizes, workers):
     )  # fmt: skip
 
 
-def prepare(corpus, data, vocab_size, workers):
+def prepare(corpus, data, vocab_size, workers, lang="de"):
     if os.path.exists(os.path.join(data, "config_st.yaml")):
         return
     run_python(
         [
-            "-m", "local_attn_fairseq.data.mustc", "--mustc-root", corpus, "--lang", "de",
+            "-m", "local_attn_fairseq.data.mustc", "--mustc-root", corpus, "--lang", lang,
             "--out-dir", data, "--vocab-size", vocab_size, "--workers", workers,
         ]
     )  # fmt: skip
@@ -119,12 +119,12 @@ def train_together(jobs):
         print(f"| trained {names} in {time.time() - started:.0f} s")
 
 
-def score(data, checkpoint, task, out_path):
+def score(data, checkpoint, task, out_path, generate=GENERATE):
     if not up_to_date(out_path, checkpoint):
         run_tool(
             "fairseq-generate",
             [
-                data, "--user-dir", USER_DIR, "--path", checkpoint, *GENERATE, "--config-yaml",
+                data, "--user-dir", USER_DIR, "--path", checkpoint, *generate, "--config-yaml",
                 f"config_{task}.yaml", "--gen-subset", f"tst-COMMON_{task}", *SCORING[task],
             ],
             out_path,
@@ -132,17 +132,18 @@ def score(data, checkpoint, task, out_path):
     return generated_score(out_path, METRIC[task])
 
 
-def contributions(data, asr_checkpoint, out_dir, num_sentences, st_checkpoint=None):
+def contributions(data, checkpoint, out_dir, num_sentences, st_checkpoint=None, task="asr"):
     """``local-attn-analyze contributions`` on the ASR encoder over the dev set (and, given
     ``st_checkpoint``, on that ST encoder beside it: Figure 3's comparison); returns the
-    windows it chose from the ASR encoder."""
+    windows it chose from the first encoder. With ``task="st"`` the first checkpoint is an ST
+    model, analysed on the ST manifests (its CCD; its windows are not used)."""
     windows_path = os.path.join(out_dir, "windows.txt")
-    checkpoints = [asr_checkpoint] + ([st_checkpoint] if st_checkpoint else [])
+    checkpoints = [checkpoint] + ([st_checkpoint] if st_checkpoint else [])
     if not up_to_date(windows_path, *checkpoints):
         argv = [
-            "contributions", "--path", asr_checkpoint, "--data", data, "--config-yaml",
-            "config_asr.yaml", "--gen-subset", "dev_asr", "--num-sentences", num_sentences,
-            "--output-dir", out_dir,
+            "contributions", "--path", checkpoint, "--data", data, "--config-yaml",
+            f"config_{task}.yaml", "--gen-subset", f"dev_{task}", "--num-sentences",
+            num_sentences, "--output-dir", out_dir,
         ]  # fmt: skip
         if st_checkpoint:
             argv += ["--compare-path", st_checkpoint, "--compare-config-yaml", "config_st.yaml"]

@@ -16,9 +16,11 @@ import time
 from dataclasses import dataclass, field
 
 # fairseq's console format "<date> <time> | INFO | <tag> | {json}", or Python's default
-# "INFO:<tag>:{json}" where logging was configured before fairseq's
+# "INFO:<tag>:{json}" where logging was configured before fairseq's. The tag of a validation
+# is its subset's name: "valid", or "dev_asr" for a speech corpus (loggers of modules have
+# dotted names).
 _JSON_LINE = re.compile(
-    r"(?:\| |^INFO:)(?P<tag>train_inner|train|valid)(?: \| |:)(?P<stats>\{.*\})\s*$"
+    r"(?:\| |^INFO:)(?P<tag>[A-Za-z][\w-]*)(?: \| |:)(?P<stats>\{.*\})\s*$"
 )
 DONE_TRAINING = "done training in"  # fairseq-train's last log line
 # logged at the start of every epoch, also by a run resumed into the log of its earlier part
@@ -148,13 +150,11 @@ class RunLog:
             self.loss = _number(stats, "train_loss") if "train_loss" in stats else self.loss
             if _number(stats, "train_wps") is not None:
                 self.words_per_s_by_epoch[self.epoch] = _number(stats, "train_wps")
-        elif tag == "valid" and _number(stats, "valid_loss") is not None:
+        elif _number(stats, prefix + "loss") is not None:  # a validation subset's line
             entry = Validation(
-                self.epoch,
-                self.num_updates,
-                _number(stats, "valid_loss"),
-                _number(stats, "valid_wall"),
-            )
+                self.epoch, self.num_updates, _number(stats, prefix + "loss"),
+                _number(stats, prefix + "wall"),
+            )  # fmt: skip
             # a validation logged again after a resume replaces the one of the same update
             self.validations = [v for v in self.validations if v.num_updates != entry.num_updates]
             self.validations.append(entry)

@@ -10,7 +10,13 @@ import os
 import pytest
 
 from local_attn_fairseq.data.text import VocabularyTooLarge, train_sentencepiece
-from local_attn_fairseq.experiments import demo, prune_demo, small_scale_study, speech_demo
+from local_attn_fairseq.experiments import (
+    demo,
+    prune_demo,
+    small_scale_study,
+    speech_demo,
+    speech_study,
+)
 from local_attn_fairseq.file_safety import OWNER_MARKER, claim_output_dir
 
 TOOLS = {
@@ -19,6 +25,7 @@ TOOLS = {
     "speech_demo": (speech_demo, ["--quick"]),
     "small_scale_study": (small_scale_study, ["--corpus", "ding-de-en"]),
     "small_scale_study --report-only": (small_scale_study, ["--report-only"]),
+    "speech_study": (speech_study, ["--tiny"]),
 }
 
 
@@ -246,3 +253,23 @@ def test_the_study_refuses_negative_and_repeated_seeds(seeds, problem, capsys):
 def test_the_study_reads_distinct_seeds():
     assert small_scale_study.parse_args(["--seeds", "0,2,5"]).seed_list == [0, 2, 5]
     assert small_scale_study.parse_args([]).seed_list == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--section", "to convergence"], "argument --section: 'to convergence': use letters"),
+        (["--compare-records", "records"], "--compare-records and --compare-max-update go together"),
+        (["--compare-max-update", "8000"], "--compare-records and --compare-max-update go together"),
+    ],
+)
+def test_the_study_refuses_a_bad_section_or_half_a_comparison(argv, problem, capsys):
+    assert problem in argument_error(small_scale_study, argv, capsys)
+
+
+def test_the_speech_study_takes_its_sizes_from_the_profile_and_the_options():
+    assert speech_study.parse_args([]).sizes == speech_study.FULL
+    args = speech_study.parse_args(["--tiny", "--train-size", "30", "--st-max-update", "9"])
+    assert args.sizes.train == 30 and args.sizes.st_max_update == 9
+    assert args.sizes.max_words == speech_study.TINY.max_words
+    assert speech_study.parse_args(["--seeds", "2,3"]).seed_list == [2, 3]

@@ -25,6 +25,21 @@ def test_parse_line_reads_both_console_formats_and_ignores_the_rest():
     assert parse_line('2026-01-01 | INFO | train_inner | {"epoch": 2, "lo') is None  # cut by a kill
 
 
+def test_a_validation_is_read_under_its_subsets_name(tmp_path):
+    """A speech corpus validates on "dev_asr": its line carries the subset's name and keys."""
+    path = tmp_path / "train.log"
+    path.write_text(
+        '2026-01-01 | INFO | train | {"epoch": 1, "train_loss": "12.0", "train_num_updates": "2"}\n'
+        '2026-01-01 | INFO | dev_asr | {"epoch": 1, "dev_asr_loss": "10.987", '
+        '"dev_asr_num_updates": "2", "dev_asr_wall": "13"}\n'
+        '2026-01-01 | INFO | fairseq.checkpoint_utils | {"not": "a validation"}\n'
+    )
+    run = read_log(str(path), "asr")
+    assert [(v.epoch, v.num_updates, v.loss, v.wall) for v in run.validations] == [
+        (1, 2, 10.987, 13.0)
+    ]
+
+
 def test_a_real_fairseq_log_gives_updates_loss_speed_and_validations(tiny_data, tmp_path):
     out = train_tiny(tiny_data, tmp_path / "run", *json_log_options(2), max_update=6)
     log_path = tmp_path / "train.log"

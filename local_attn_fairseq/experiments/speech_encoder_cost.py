@@ -1,0 +1,146 @@
+"""What a speech encoder's self-attention costs, global against local windows.
+
+Two views of the same question (Alastruey et al. 2022: restricting an ST encoder's
+self-attention to windows makes it cheaper):
+
+* counted: the operations of the attention products (q k^T and the weights times v) and the
+  attention weights a layer holds, per utterance, from the lengths of a corpus's utterances
+  (``self_attention_cost``), and the operations of every matrix product of the encoder at one
+  length (``matmul_flops``, the most a speed-up can be where those products bound the speed);
+* measured: one forward + backward of two encoders with the same weights that differ only in
+  their windows, alternating so that load from other processes hits both alike (``measure``).
+
+``benchmarks/speech_encoder.py`` and the speech study (``experiments.speech_study``) use both.
+"""
+
+import statistics
+import time
+from argparse import Namespace
+
+import torch
+from fairseq.data import Dictionary
+
+from ..models.s2t_transformer_local import (
+    S2TTransformerLocalModel,
+    s2t_transformer_local,
+)
+from .measurement import device_seconds_per_call, peak_bytes
+
+FBANK_DIM = 80
+FRAMES_PER_SECOND = 100
+
+
+def build_encoder(windows, device="cpu", dtype=torch.float32, arch=s2t_transformer_local):
+    """A training-mode ``s2t_transformer_local`` encoder of the architecture ``arch`` sets (the
+    paper's s2t_transformer_s by default) with these windows; returns it and its options."""
+    args = Namespace(
+        input_feat_per_channel=FBANK_DIM,
+        input_channels=1,
+        max_source_positions=100_000,
+        max_target_positions=1024,
+        encoder_attention_windows=windows,
+    )
+    arch(args)
+    model = S2TTransformerLocalModel.build_model(args, Namespace(target_dictionary=Dictionary()))
+    return model.encoder.to(device=device, dtype=dtype).train(), args
+
+
+def encoder_frames(fbank_frames, num_convs=2):
+    """Encoder positions after the subsampler: each stride-2 convolution halves the frames."""
+    frames = torch.as_tensor(fbank_frames)
+    for _ in range(num_convs):
+        frames = torch.div(frames - 1, 2, rounding_mode="floor") + 1
+    return frames
+
+
+def attention_keys(frames, window):
+    """Query-key pairs one head of one layer scores over `frames` positions: every pair for a
+    global layer (window 0), the band of `window` keys centred on each query, cut at the edges,
+    for a local one. `frames` is a tensor of lengths; returns one count per length."""
+    frames = torch.as_tensor(frames, dtype=torch.long)
+    if window == 0:
+        return frames * frames
+    half = (window - 1) // 2
+    # query i of a sentence of T positions scores keys max(0, i - half) .. min(T - 1, i + half)
+    positions = torch.arange(int(frames.max()) if frames.numel() else 0)
+    inside = positions[None, :] < frames[:, None]
+    first = torch.clamp(positions - half, min=0)[None, :]
+    last = torch.minimum(positions[None, :] + half, frames[:, None] - 1)
+    per_query = (last - first + 1).clamp(min=0)
+    return (per_query * inside).sum(dim=1)
+
+
+def self_attention_cost(fbank_frames, windows, embed_dim, heads, bytes_per_weight=4):
+    """Forward operations of the self-attention products (q k^T and weights x v, 2 x 2 x d per
+    query-key pair) and the bytes of attention weights held for the backward, summed over the
+    layers, per utterance of `fbank_frames` filterbank frames."""
+    frames = encoder_frames(fbank_frames)
+    keys = sum(attention_keys(frames, w) for w in windows)
+    return {
+        "flops": (4 * embed_dim * keys).double(),
+        "weight_bytes": (heads * bytes_per_weight * keys).double(),
+        "encoder_frames": frames,
+    }
+
+
+def matmul_flops(args, fbank_frames: int, batch: int, windows) -> float:
+    """Forward + backward (3x forward) operations of the encoder's matrix products."""
+    d, ffn = args.encoder_embed_dim, args.encoder_ffn_embed_dim
+    kernels = [int(k) for k in args.conv_kernel_sizes.split(",")]
+    frames, forward = fbank_frames, 0.0
+    channels = [FBANK_DIM, args.conv_channels // 2]
+    outputs = [args.conv_channels, 2 * d]
+    for k, c_in, c_out in zip(kernels, channels, outputs):
+        frames = (frames - 1) // 2 + 1
+        forward += 2 * frames * c_in * k * c_out
+    for w in windows:
+        keys = frames if w == 0 else min(w, frames)
+        forward += 2 * frames * (4 * d * d + 2 * d * ffn) + 4 * frames * keys * d
+    return 3 * forward * batch
+
+
+def encoder_loss(encoder, features, lengths):
+    return encoder(features, lengths)["encoder_out"][0].sum()
+
+
+def step(encoder, features, lengths):
+    """One forward + backward; gradients dropped so that each step starts alike."""
+    encoder_loss(encoder, features, lengths).backward()
+    encoder.zero_grad(set_to_none=True)
+
+
+def timed_step(encoder, features, lengths):
+    sync = torch.cuda.synchronize if features.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    step(encoder, features, lengths)
+    sync()
+    return time.perf_counter() - start
+
+
+def peak_memory(encoder, features, lengths):
+    # peak_bytes runs fn(*inputs).backward(ones): the loss is already a scalar.
+    peak = peak_bytes(lambda f: encoder_loss(encoder, f, lengths), (features,), backward=True)
+    encoder.zero_grad(set_to_none=True)
+    return peak
+
+
+def measure(models, frames, batch, rounds, device="cpu", dtype=torch.float32):
+    """{name: (median seconds of a forward + backward, peak bytes, GPU busy seconds or None)}
+    of each encoder on one batch of `batch` utterances of `frames` filterbank frames."""
+    features = torch.randn(batch, frames, FBANK_DIM, device=device, dtype=dtype)
+    lengths = torch.full((batch,), frames, dtype=torch.long, device=device)
+    names = list(models)
+    for name in names:  # warm-up, not timed
+        step(models[name], features, lengths)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(timed_step(models[name], features, lengths))
+    memory = {name: peak_memory(models[name], features, lengths) for name in names}
+    busy = {name: None for name in names}
+    if features.is_cuda:  # the GPU's own share of a step (the rest is the host's)
+        for name in names:
+            model = models[name]
+            busy[name] = device_seconds_per_call(lambda: step(model, features, lengths), 1)
+    return {name: (statistics.median(times[name]), memory[name], busy[name]) for name in names}
