@@ -3,10 +3,13 @@
 
     python benchmarks/speech_encoder.py [--seconds 10 30 60] [--batch 2] [--rounds 3]
     python benchmarks/speech_encoder.py --device cuda --dtype bfloat16 --batch 8
+    python benchmarks/speech_encoder.py --arch s2t_transformer_local_tiny --windows 0,0,3,5,5,7 \
+        --seconds 6 --batch 16   # the speech study's model at its corpus's mean length
 
 Both encoders are ``s2t_transformer_local`` at the paper's size (fairseq's s2t_transformer_s:
-12 layers, d=256, 4 heads, FFN 2048, two strided Conv1d layers), with the same weights: "local"
-uses the Table 1 windows (0,0,0,5,5,9,13,11,15,19,17,21; the banded operator), "global" sets
+12 layers, d=256, 4 heads, FFN 2048, two strided Conv1d layers; ``--arch`` picks another size),
+with the same weights: "local" uses the Table 1 windows (0,0,0,5,5,9,13,11,15,19,17,21; the
+banded operator; ``--windows`` others, one per layer), "global" sets
 every window to 0 (PyTorch's fused attention). Inputs are 80-dim fbank features at 100 frames per
 second (10 s = 1000 frames = 250 encoder frames after the x4 subsampler), in training mode with
 the paper's dropout 0.1.
@@ -45,7 +48,14 @@ from local_attn_fairseq.experiments.speech_encoder_cost import (  # noqa: E402
     matmul_flops,
     measure,
 )
-from local_attn_fairseq.models.s2t_transformer_local import PAPER_WINDOWS  # noqa: E402
+from local_attn_fairseq.models import s2t_transformer_local as s2t  # noqa: E402
+
+# --arch: the registered sizes of s2t_transformer_local, and their default windows
+ARCHITECTURES = {
+    "s2t_transformer_local": (s2t.s2t_transformer_local, s2t.PAPER_WINDOWS),
+    "s2t_transformer_local_m": (s2t.s2t_transformer_local_m, s2t.PAPER_WINDOWS),
+    "s2t_transformer_local_tiny": (s2t.s2t_transformer_local_tiny, s2t.DEFAULT_WINDOWS[6]),
+}
 
 MiB = 2**20
 TARGET_SPEEDUP = 1.5
@@ -60,7 +70,15 @@ def parse_args(argv=None):
     parser.add_argument("--seconds", type=positive_int, nargs="+", default=[10, 30, 60])
     parser.add_argument("--batch", type=positive_int, default=2, help="utterances per batch")
     parser.add_argument("--rounds", type=positive_int, default=3)
-    parser.add_argument("--windows", default=PAPER_WINDOWS, help="the local model's windows")
+    parser.add_argument(
+        "--arch", choices=sorted(ARCHITECTURES), default="s2t_transformer_local",
+        help="the encoder's size (default: the paper's, fairseq's s2t_transformer_s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--windows",
+        help="the local model's windows, one per layer (default: the paper's Table 1 for the "
+        "12-layer sizes, 0,0,3,5,5,7 for the tiny one)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument(
         "--dtype",
@@ -79,6 +97,8 @@ def parse_args(argv=None):
     if args.dtype == "float16" and args.device.type != "cuda":
         parser.error("--dtype float16 needs --device cuda (use bfloat16 or float32 on the CPU)")
     args.dtype = getattr(torch, args.dtype)
+    args.arch_fn, default_windows = ARCHITECTURES[args.arch]
+    args.windows = args.windows or default_windows
     if args.output:
         check_output_file(args.output, "--output", starts_with(TABLE_START), args.overwrite)
     return args
@@ -93,15 +113,20 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(1)
-    local, model_args = build_encoder(args.windows, args.device, args.dtype)
+    try:
+        local, model_args = build_encoder(args.windows, args.device, args.dtype, args.arch_fn)
+    except ValueError as error:  # windows that do not fit the encoder's layers
+        raise SystemExit(f"error: {error}") from None
     global_windows = ",".join("0" for _ in args.windows.split(","))
-    dense, _ = build_encoder(global_windows, args.device, args.dtype)
+    dense, _ = build_encoder(global_windows, args.device, args.dtype, args.arch_fn)
     dense.load_state_dict(local.state_dict())
     models = {"global": dense, "local": local}
     windows = {name: [int(w) for w in m.attention_windows] for name, m in models.items()}
 
     lines = [
-        f"{TABLE_START}12 x d256, 4 heads), forward + backward, batch "
+        f"{TABLE_START}{args.arch}, {model_args.encoder_layers} x d"
+        f"{model_args.encoder_embed_dim}, {model_args.encoder_attention_heads} heads), forward + "
+        f"backward, batch "
         f"{args.batch}, {device_name(args.device)}, {str(args.dtype).replace('torch.', '')}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads; local windows {args.windows}; times: median of {args.rounds} rounds",

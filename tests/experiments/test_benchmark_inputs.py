@@ -76,6 +76,17 @@ def test_head_pruning_keeps_at_most_the_heads_a_layer_has(capsys):
     assert "--kept: at most 8 heads per layer, got 9" in line
 
 
+def test_the_speech_encoder_benchmark_takes_each_size_with_its_own_windows():
+    speech_encoder = script("speech_encoder")
+    assert speech_encoder.parse_args([]).windows == "0,0,0,5,5,9,13,11,15,19,17,21"
+    tiny = speech_encoder.parse_args(["--arch", "s2t_transformer_local_tiny"])
+    assert tiny.windows == "0,0,3,5,5,7"
+    message = exit_message(
+        speech_encoder.main, ["--arch", "s2t_transformer_local_tiny", "--windows", "3,3"]
+    )
+    assert "gives 2 windows but the encoder has 6 layers" in message
+
+
 def user_file(tmp_path, name, text="mine\n"):
     path = tmp_path / name
     path.write_text(text)
