@@ -15,8 +15,7 @@ from local_attn_fairseq.data import bible
 from local_attn_fairseq.data import speech_corpus as synthesize_speech_corpus
 from local_attn_fairseq.file_safety import OWNER_MARKER
 
-from ..conftest import REPO, run_script
-from ..conftest import snapshot
+from ..conftest import REPO, run_script, snapshot
 from .speech_corpus import SCRIPTS, needs_diatheke, needs_espeak
 from .speech_corpus import read_split as shared_read_split
 from .speech_corpus import split_dir as shared_split_dir
