@@ -349,6 +349,13 @@ def write_manifest(path, rows):
     atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
+def read_manifest(path):
+    """The rows of a manifest written by ``write_manifest``, as {column: text}."""
+    with open(path, encoding="utf-8") as f:
+        header = f.readline().rstrip("\n").split("\t")
+        return [dict(zip(header, line.rstrip("\n").split("\t"))) for line in f if line.strip()]
+
+
 def train_vocabulary(texts, prefix, vocab_type, vocab_size):
     """A sentencepiece model and the fairseq dictionary (``prefix.txt``) of its pieces."""
     import sentencepiece as spm

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..cli_types import non_negative_int, positive_int
-from ..file_safety import atomic_write_text
+from ..data.mustc import read_manifest
 from . import speech_demo, study
 from .demo import add_work_dir, claimed_work_dir
 from .fairseq_runner import USER_DIR, RunFailed, exit_on_failure, run_python
@@ -127,13 +127,13 @@ class SpeechData:
     data: str  # the prepared manifests, vocabularies and configs
     work: str  # the runs' folder
 
+    def manifest(self, subset):
+        """The rows of one manifest (e.g. ``train_st``)."""
+        return read_manifest(os.path.join(self.data, f"{subset}.tsv"))
+
     def manifest_frames(self, subset):
-        """Filterbank frames of every utterance of one manifest (e.g. ``train_st``)."""
-        path = os.path.join(self.data, f"{subset}.tsv")
-        with open(path, encoding="utf-8") as f:
-            header = f.readline().rstrip("\n").split("\t")
-            column = header.index("n_frames")
-            return [int(line.rstrip("\n").split("\t")[column]) for line in f if line.strip()]
+        """Filterbank frames of every utterance of one manifest."""
+        return [int(row["n_frames"]) for row in self.manifest(subset)]
 
 
 def prepare(work, sizes, workers):
@@ -230,14 +230,6 @@ def score_run(run, log, data, task, max_update, dev_size):
     return record
 
 
-def write_record(path, record, run, max_update, patience):
-    record = dict(record, name=run.name, key=run.key, max_update=max_update, patience=patience)
-    record["machine"] = f"{os.cpu_count()} CPU cores"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write_text(path, json.dumps(record, indent=1))
-    return record
-
-
 def encoder_path(asr, best_update):
     """Where the ST runs load their encoder from: a copy of the ASR model's best checkpoint
     named by the update it was saved at, so an ASR run trained further (a raised cap) gives
@@ -271,7 +263,7 @@ class Recorded:
 
     def add(self, run, record, max_update):
         path = record_path(self.records, run)
-        self.by_run[run.save_dir] = write_record(path, record, run, max_update, self.patience)
+        self.by_run[run.save_dir] = study.write_record(path, record, run, max_update, self.patience)
         print(f"| {run.label}, seed {run.seed}: {record['metric']} {record['score']:.2f} -> {path}")
 
 

@@ -38,10 +38,7 @@ def corpus_facts(data):
     """Utterances, hours of speech and speakers of every split, from the ST manifests."""
     facts = {}
     for split in ("train", "dev", "tst-COMMON"):
-        path = os.path.join(data.data, f"{split}_st.tsv")
-        with open(path, encoding="utf-8") as f:
-            header = f.readline().rstrip("\n").split("\t")
-            rows = [dict(zip(header, line.rstrip("\n").split("\t"))) for line in f if line.strip()]
+        rows = data.manifest(f"{split}_st")
         facts[split] = {
             "utterances": len(rows),
             "hours": sum(int(r["n_frames"]) for r in rows) / 100 / 3600,

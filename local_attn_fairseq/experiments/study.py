@@ -260,7 +260,7 @@ def read_record(path, max_update, patience, fields=RECORD_FIELDS):
 
 
 def write_record(path, result, run, max_update, patience):
-    """A scored run's result, kept without the paths of this machine."""
+    """A scored run's result, kept without the paths of this machine; returns the record."""
     record = {k: v for k, v in result.items() if k != "save_dir"}
     record.update(
         name=run.name, key=run.key, max_update=max_update, patience=patience,
@@ -268,6 +268,7 @@ def write_record(path, result, run, max_update, patience):
     )  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write_text(path, json.dumps(record, indent=1))
+    return record
 
 
 def encoder_attention_parameters(checkpoint):
