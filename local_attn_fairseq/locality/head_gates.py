@@ -51,7 +51,9 @@ _NOISE_EPS = 1e-6
 
 def _precise(log_alpha: Tensor) -> Tensor:
     """float32 at least: probabilities and noise of a half-precision model's gates."""
-    return log_alpha.to(torch.promote_types(log_alpha.dtype, torch.float32))
+    if log_alpha.dtype in (torch.float32, torch.float64):
+        return log_alpha  # no conversion: the common case, checked without an operator call
+    return log_alpha.float()
 
 
 class HardConcreteGates(nn.Module):
@@ -123,8 +125,10 @@ class HardConcreteGates(nn.Module):
     def sample(self) -> Tensor:
         log_alpha = self._precise_log_alpha()
         # logit(u) = log u - log(1 - u), u kept in [eps, 1 - eps]: one operation instead of five
-        noise = torch.logit(torch.rand_like(log_alpha), eps=_NOISE_EPS)
-        s = torch.sigmoid((noise + log_alpha) / self.temperature)
+        # (noise + log_alpha) / beta as one differentiable operation: the noise is scaled in place
+        inverse_temperature = 1.0 / self.temperature
+        noise = torch.logit(torch.rand_like(log_alpha), eps=_NOISE_EPS).mul_(inverse_temperature)
+        s = torch.sigmoid(torch.add(noise, log_alpha, alpha=inverse_temperature))
         return (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
 
     def forward(self) -> Tensor:

@@ -408,7 +408,7 @@ class LocalMultiheadAttention(nn.Module):
             windowed = probs.index_select(1, self.mw_heads) * windows.index_select(1, self.mw_rows)
             probs = probs.index_copy(1, self.mw_heads, windowed)
         weights = probs
-        probs = self.dropout_module(probs.to(v.dtype))
+        probs = self.dropout_module(probs if probs.dtype == v.dtype else probs.to(v.dtype))
         out = torch.matmul(probs, v)  # (bsz, heads, tgt, head_dim)
         if rel_index is not None:
             value_term = self.relative_positions.value_term(probs, rel_index)
@@ -430,7 +430,10 @@ class LocalMultiheadAttention(nn.Module):
     def _add_localness(self, logits, q, k, key_padding_mask):
         """Add the Gaussian bias to the logits (bsz, heads, tgt, src) of the Gaussian heads."""
         flat_q = q.transpose(1, 2).flatten(2)  # (bsz, tgt, groups * head_dim): the full query
-        flat_k = k.transpose(1, 2).flatten(2)
+        # only the layer strategy reads the keys' values; the others their sizes (no copy)
+        flat_k = k.transpose(1, 2)
+        if self.localness.strategy == "layer":
+            flat_k = flat_k.flatten(2)
         every_head = len(self.gaussian_heads) == self.num_heads
         result, centre, window = self.localness(
             flat_q, flat_k, key_padding_mask, self.causal, logits if every_head else None
@@ -444,6 +447,8 @@ class LocalMultiheadAttention(nn.Module):
         """The keys of the window pointers and of the AW local scores, each (bsz, heads', len,
         head_dim): cached with the attention's keys while decoding."""
         keys = {}
+        if not self.dynamic_windows:  # (the AW heads' local keys come with their windows)
+            return keys
         key_rows = key.transpose(0, 1)
         for g, window in enumerate(self.dynamic_windows):
             keys[f"window{g}"] = window.project_keys(key_rows)
@@ -621,8 +626,11 @@ class LocalMultiheadAttention(nn.Module):
         """Gate each head's output (Voita et al.), concatenate the heads, project."""
         if self.head_gates is not None:
             # in float32 (at least): a gate's gradient sums over every token, beyond float16
-            precise = torch.promote_types(out.dtype, torch.float32)
-            out = (out.to(precise) * self.head_gates().view(1, -1, 1, 1)).to(out.dtype)
+            gates = self.head_gates().view(1, -1, 1, 1)
+            if out.dtype in (torch.float32, torch.float64):
+                out = out * gates
+            else:
+                out = (out.float() * gates).to(out.dtype)
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads * self.head_dim)
         return self.out_proj(out)
 

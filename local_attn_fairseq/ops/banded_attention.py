@@ -15,6 +15,7 @@ routes with the same semantics:
 The extension is imported lazily on first use; importing the plugin never requires it.
 """
 
+import functools
 import importlib
 import math
 import operator
@@ -49,6 +50,7 @@ class _ExtensionState:
     module = None
     error: Optional[BaseException] = None
     warned: set = set()
+    all_finite = None  # the extension's CPU finiteness test (an older build has none)
 
 
 def _op_defined(name: str) -> bool:
@@ -62,6 +64,7 @@ def load_extension():
         state.attempted = True
         try:
             state.module = importlib.import_module(EXTENSION_MODULE)
+            state.all_finite = getattr(state.module, "all_finite", None)
             _register_python_parts()
         except (ImportError, OSError) as error:  # not built, or built against another torch
             state.error = error
@@ -244,6 +247,8 @@ def choose_route(
     once. ``extension`` fails where it has no kernel; a missing tensor-core build fails too.
     """
     choice = requested_route()
+    if choice in ("auto", "extension") and device.type == "cpu" and _ExtensionState.module:
+        return "extension"  # the CPU kernels take every CPU call; asked first, as every call asks
     if choice == "torch":
         return "torch"
     if choice == "extension":
@@ -359,6 +364,20 @@ class _TorchBandedAttention(torch.autograd.Function):
 
 
 def _check_qkv(q, k, v) -> None:
+    try:  # the common case in a few comparisons; the messages below name what is wrong
+        if (
+            q.dim() == 4
+            and q.shape == k.shape == v.shape
+            and q.dtype == k.dtype == v.dtype
+            and q.dtype.is_floating_point
+            and q.device == k.device == v.device
+            and isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+        ):
+            return
+    except (AttributeError, TypeError):
+        pass
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"banded_attention: {name} must be a tensor, got {type(t).__name__}")
@@ -377,8 +396,7 @@ def _check_qkv(q, k, v) -> None:
             "banded_attention: q, k and v must share one floating point dtype, got "
             f"{q.dtype}, {k.dtype} and {v.dtype}"
         )
-    if not (q.device == k.device == v.device):
-        raise ValueError("banded_attention: q, k and v must be on the same device")
+    raise ValueError("banded_attention: q, k and v must be on the same device")
 
 
 def _window_value(value, name: str) -> int:
@@ -430,6 +448,40 @@ def _window_list(window: Window, heads: int, name: str) -> List[int]:
     return values
 
 
+def _plain_windows(window) -> bool:
+    """An int, or a list or tuple of ints: windows that can key the cache of clipped bands
+    (exact ints only: True == 1 would share an entry with 1 and skip its refusal)."""
+    if type(window) is int:
+        return True
+    return type(window) in (list, tuple) and all(type(w) is int for w in window)
+
+
+def clipped_band(left: Window, right: Window, heads: int, length: int):
+    """Checked per-head windows clipped to the sequence, and the band's width.
+
+    Keys beyond the sequence are never allowed, so windows longer than T - 1 change nothing but
+    the band's size: everything works on the clipped band. Returns (left, right) as tuples of
+    ints and W = max(left) + max(right) + 1; worked out once per windows and sizes.
+    """
+    if type(left) is int and type(right) is int:  # the commonest call: one window for all heads
+        return _clipped_band(left, right, heads, length)
+    if _plain_windows(left) and _plain_windows(right):
+        plain = [x if type(x) is int else tuple(x) for x in (left, right)]
+        return _clipped_band(*plain, heads, length)
+    return _clip_band(left, right, heads, length)
+
+
+def _clip_band(left, right, heads: int, length: int):
+    lefts, rights = _window_list(left, heads, "left"), _window_list(right, heads, "right")
+    reach = max(length - 1, 0)
+    band_left = tuple(min(w, reach) for w in lefts)
+    band_right = tuple(min(w, reach) for w in rights)
+    return band_left, band_right, max(band_left, default=0) + max(band_right, default=0) + 1
+
+
+_clipped_band = functools.lru_cache(maxsize=256)(_clip_band)
+
+
 def _check_padding(mask: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
     if mask is None:
         return None
@@ -474,6 +526,16 @@ def draw_dropout_keep(
     return torch.rand(shape, device=device) >= dropout_p
 
 
+def _all_finite(v: torch.Tensor) -> bool:
+    """Whether v holds only finite values. On the CPU the extension reads v in place; else one
+    reduction and one scalar read (torch.isfinite is several operations on the CPU, and on a
+    GPU either form waits for the device once)."""
+    in_place = _ExtensionState.all_finite
+    if in_place is not None and v.device.type == "cpu" and not torch.compiler.is_compiling():
+        return in_place(v)
+    return math.isfinite(v.sum(dtype=banded_reference.compute_dtype(v.dtype)).item())
+
+
 def nonfinite_value_reach(
     v: torch.Tensor,
     left: Sequence[int],
@@ -487,9 +549,7 @@ def nonfinite_value_reach(
     +-inf: a sum over the allowed keys would be non-finite there. Counted with prefix sums
     along T, so no (T, w) tensor is formed.
     """
-    # One reduction and one scalar read: on the CPU torch.isfinite is several operations, and
-    # on a GPU either form waits for the device once.
-    if math.isfinite(v.sum(dtype=banded_reference.compute_dtype(v.dtype)).item()):
+    if _all_finite(v):
         return None
     batch, heads, length, dim = v.shape
     bad = ~torch.isfinite(v)
@@ -542,14 +602,10 @@ def banded_attention(
     """
     _check_qkv(q, k, v)
     batch, heads, length, dim = q.shape
-    lefts, rights = _window_list(left, heads, "left"), _window_list(right, heads, "right")
-    key_padding_mask = _check_padding(key_padding_mask, q)
+    band_left, band_right, width = clipped_band(left, right, heads, length)
+    if key_padding_mask is not None:
+        key_padding_mask = _check_padding(key_padding_mask, q)
     dropout_p = _check_dropout(dropout_p)
-    # Keys beyond the sequence are never allowed, so windows longer than T - 1 change nothing
-    # but the band's size: everything works on the clipped band.
-    reach = max(length - 1, 0)
-    band_left, band_right = [min(w, reach) for w in lefts], [min(w, reach) for w in rights]
-    width = max(band_left, default=0) + max(band_right, default=0) + 1
     if q.numel() == 0:  # nothing to attend (no head, no position or no feature)
         out = q + k + v  # empty, but part of the graph: backward gives (empty) zero gradients
         return (out, q.new_zeros((batch, heads, length, width))) if return_weights else out

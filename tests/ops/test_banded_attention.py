@@ -463,6 +463,52 @@ def check_a_nan_query_makes_its_own_row_nan(route, dtype, dim=8, device="cpu"):
     assert not out[0, 1, 12].any() and not out[0, 1, 10:].any()  # rows without keys
 
 
+FINITENESS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", FINITENESS_DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [1, 7, 4099, 2**16, 2**16 + 1])  # read in place, then summed
+def test_the_extension_finds_every_nonfinite_value_on_the_cpu(dtype, numel):
+    all_finite = banded_module.load_extension().all_finite
+    finfo = torch.finfo(dtype)
+    values = torch.full((numel,), finfo.max, dtype=dtype)
+    values[::2] = finfo.tiny  # the smallest normal and the largest finite exponents
+    assert all_finite(values) and all_finite(-values)
+    for position in {0, numel // 2, numel - 1}:
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            broken = values.clone()
+            broken[position] = bad
+            assert not all_finite(broken), (position, bad)
+    strided = torch.zeros(numel, 2, dtype=dtype)
+    strided[-1, 1] = float("nan")
+    assert all_finite(strided[:, 0]) and not all_finite(strided[:, 1])
+
+
+@needs_extension
+def test_the_finiteness_check_names_what_it_cannot_read():
+    all_finite = banded_module.load_extension().all_finite
+    with pytest.raises(ValueError, match="floating point CPU tensor, got Long"):
+        all_finite(torch.ones(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="takes a tensor"):
+        all_finite([1.0])
+
+
+def test_windows_are_checked_on_every_call_not_only_the_first():
+    """The clipped band is worked out once per windows and sizes; a refused window is refused
+    again (a bool among ints is never the int it compares equal to)."""
+    q, k, v = make_qkv(1, 2, 6, 4)
+    per_head = banded_attention(q, k, v, [1, 1], 1)
+    torch.testing.assert_close(per_head, banded_attention(q, k, v, 1, 1))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="got a bool"):
+            banded_attention(q, k, v, [1, True], 1)
+        with pytest.raises(ValueError, match="windows must be >= 0"):
+            banded_attention(q, k, v, (1, -1), 1)
+    left, right, width = banded_module.clipped_band([9, 2], (0, 40), 2, 6)
+    assert (left, right, width) == ((5, 2), (0, 5), 11)
+
+
 @pytest.mark.parametrize("route", IMPLS + ["sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_a_nonfinite_value_reaches_exactly_the_queries_that_see_it(route, dtype):
