@@ -151,7 +151,9 @@ def stacked_window_mask(
     check_segment_size(segment_size)
     phi = phi.float()
     bsz, src_len = phi.size(0), phi.size(-1)
-    real = real_keys(key_padding_mask, bsz, src_len, phi.device)
+    real = None  # the real keys, made only where they are read
+    if key_padding_mask is not None or segment_size is not None:
+        real = real_keys(key_padding_mask, bsz, src_len, phi.device)
     bounds = None if segment_size is None else segment_bounds(real, segment_size)
     at_most, at_least = boundary_probabilities(phi, bounds)
     left_at_most, right_at_most = at_most.chunk(2, dim=1)
