@@ -30,15 +30,18 @@ FBANK_DIM = 80
 FRAMES_PER_SECOND = 100
 
 
-def build_encoder(windows, device="cpu", dtype=torch.float32, arch=s2t_transformer_local):
+def build_encoder(windows, device="cpu", dtype=torch.float32, arch=s2t_transformer_local,
+                  **options):  # fmt: skip
     """A training-mode ``s2t_transformer_local`` encoder of the architecture ``arch`` sets (the
-    paper's s2t_transformer_s by default) with these windows; returns it and its options."""
+    paper's s2t_transformer_s by default) with these windows and the model ``options`` given
+    (fairseq's names, e.g. ``encoder_embed_dim``); returns it and its options."""
     args = Namespace(
         input_feat_per_channel=FBANK_DIM,
         input_channels=1,
         max_source_positions=100_000,
         max_target_positions=1024,
         encoder_attention_windows=windows,
+        **options,
     )
     arch(args)
     model = S2TTransformerLocalModel.build_model(args, Namespace(target_dictionary=Dictionary()))

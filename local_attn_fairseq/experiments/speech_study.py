@@ -9,7 +9,8 @@ their settings, trained until validation loss stops improving, resumable, record
    --corpus bible-en-es``): verses of at most ``--max-words`` words, the first ``--train-size``
    training verses, the held-out books of the text study (the same test set) spoken by a
    voice that training never hears; 80-dim filterbanks (``data.mustc``);
-2. ASR pre-training of ``s2t_transformer_local_tiny`` with every encoder layer global, with
+2. ASR pre-training of ``s2t_transformer_local_tiny`` at ``--model-dim`` (128: the
+   architecture's own 64 under-fits the corpus) with every encoder layer global, with
    fairseq's CTC loss on the encoder beside the decoder's (``experiments.speech_demo`` says
    why);
 3. the contributions analysis of its encoder over the dev set: one window per layer
@@ -80,6 +81,8 @@ class Sizes:
     vocab: int
     asr_max_update: int
     st_max_update: int
+    # Width of the tiny architecture's layers (its own is 64; FFN four times as wide)
+    model_dim: int = 64
     utterances_per_talk: int = 8
     timing_rounds: int = 5  # of the encoders' forward + backward, at the corpus's mean length
     timing_batch: Optional[int] = None  # utterances (default: a batch of MAX_TOKENS frames)
@@ -90,7 +93,7 @@ class Sizes:
 # About 10 hours of a 2-core machine (docs/speech_study.md): 8,000 verses of at most 25 words
 # are 13 hours of speech, ~480 updates an epoch; ASR and ST epochs take 5-6 minutes.
 FULL = Sizes(max_words=25, train=8000, dev=None, test=None, vocab=1000,
-             asr_max_update=15_000, st_max_update=12_000)  # fmt: skip
+             asr_max_update=15_000, st_max_update=12_000, model_dim=128)  # fmt: skip
 TINY = Sizes(max_words=12, train=24, dev=6, test=6, vocab=100,
              asr_max_update=4, st_max_update=4, utterances_per_talk=4, timing_rounds=1,
              timing_batch=2, books="Genesis,Philippians,Joshua")  # fmt: skip
@@ -145,29 +148,42 @@ def prepare(work, sizes, workers):
     return SpeechData(corpus, data, experiment)
 
 
-def run_argv(data, task, windows, seed, pretrained=None):
+def model_options(model_dim):
+    """The architecture's widths, as fairseq options would set them."""
+    return {
+        "encoder_embed_dim": model_dim, "encoder_ffn_embed_dim": 4 * model_dim,
+        "decoder_embed_dim": model_dim, "decoder_ffn_embed_dim": 4 * model_dim,
+    }  # fmt: skip
+
+
+def run_argv(data, task, windows, seed, model_dim, pretrained=None):
+    widths = [
+        text for name, value in model_options(model_dim).items()
+        for text in ("--" + name.replace("_", "-"), str(value))
+    ]  # fmt: skip
     argv = [
         data.data, "--user-dir", USER_DIR, "--task", "speech_to_text", "--config-yaml",
         f"config_{task}.yaml", "--train-subset", f"train_{task}", "--valid-subset",
-        f"dev_{task}", "--arch", ARCH, "--encoder-attention-windows", windows, *SCHEDULE,
-        *speech_demo.CRITERION[task], "--seed", str(seed),
+        f"dev_{task}", "--arch", ARCH, *widths, "--encoder-attention-windows", windows,
+        *SCHEDULE, *speech_demo.CRITERION[task], "--seed", str(seed),
     ]  # fmt: skip
     if pretrained:
         argv += ["--load-pretrained-encoder-from", pretrained]
     return argv
 
 
-def asr_run(data):
-    argv = run_argv(data, "asr", GLOBAL_WINDOWS, 1)
+def asr_run(data, model_dim):
+    argv = run_argv(data, "asr", GLOBAL_WINDOWS, 1, model_dim)
     return study.TrainingRun("asr", "ASR, global encoder (CTC + cross-entropy)", argv, data.work)
 
 
-def st_runs(data, encoder, windows, seeds):
+def st_runs(data, encoder, windows, seeds, model_dim):
     """Both arms, seed by seed (a study stopped part-way has both arms of its first seeds)."""
     arms = {"global": GLOBAL_WINDOWS, "local": windows}
     return [
         study.TrainingRun(
-            f"st_{arm}", ARMS[arm], run_argv(data, "st", arms[arm], seed, encoder), data.work
+            f"st_{arm}", ARMS[arm], run_argv(data, "st", arms[arm], seed, model_dim, encoder),
+            data.work,
         )
         for seed in seeds
         for arm in arms
@@ -269,7 +285,7 @@ class Recorded:
 
 def train_asr(data, sizes, args, recorded):
     """The ASR run's record: read, or the run trained (continued, reused) and scored."""
-    run = asr_run(data)
+    run = asr_run(data, sizes.model_dim)
     record = recorded.read(run, sizes.asr_max_update)
     if record is None and not args.report_only:
 
@@ -291,7 +307,8 @@ def train_st(data, sizes, args, recorded, asr, asr_record):
     """Both ST arms, every seed: each run's record read, or the run trained and scored."""
     best_update = asr_record["updates_to_convergence"]
     runs = st_runs(
-        data, encoder_path(asr, best_update), asr_record["chosen_windows"], args.seed_list
+        data, encoder_path(asr, best_update), asr_record["chosen_windows"], args.seed_list,
+        sizes.model_dim,
     )
     to_train = [run for run in runs if recorded.read(run, sizes.st_max_update) is None]
     print(f"| ST: {len(runs)} runs, {len(runs) - len(to_train)} recorded, {len(to_train)} to "
@@ -317,7 +334,7 @@ def train_st(data, sizes, args, recorded, asr, asr_record):
 # ---- the cost side --------------------------------------------------------------------------
 
 
-def attention_cost(data, windows, rounds, batch=None):
+def attention_cost(data, windows, model_dim, rounds, batch=None):
     """Both arms' encoder self-attention over the training utterances' lengths: operations and
     attention-weight bytes at the mean length and summed over the corpus, and one forward +
     backward of their encoders (same weights) timed on a batch at the mean length."""
@@ -331,7 +348,8 @@ def attention_cost(data, windows, rounds, batch=None):
     arms = {"global": GLOBAL_WINDOWS, "local": windows}
     torch.manual_seed(1)
     encoders = {
-        arm: build_encoder(w, arch=s2t_transformer_local_tiny)[0] for arm, w in arms.items()
+        arm: build_encoder(w, arch=s2t_transformer_local_tiny, **model_options(model_dim))[0]
+        for arm, w in arms.items()
     }
     encoders["local"].load_state_dict(encoders["global"].state_dict())
     layer = encoders["global"].transformer_layers[0].self_attn
@@ -383,6 +401,8 @@ def parse_args(argv):
     parser.add_argument("--max-words", type=positive_int, help=f"default {FULL.max_words}")
     parser.add_argument("--train-size", type=positive_int, help=f"default {FULL.train:,}")
     parser.add_argument("--vocab-size", type=positive_int, help=f"default {FULL.vocab}")
+    parser.add_argument("--model-dim", type=positive_int,
+                        help=f"width of the model's layers (default {FULL.model_dim})")  # fmt: skip
     parser.add_argument("--asr-max-update", type=positive_int,
                         help=f"cap of the ASR run (default {FULL.asr_max_update:,})")
     parser.add_argument("--st-max-update", type=positive_int,
@@ -409,6 +429,7 @@ def parse_args(argv):
     args.seed_list = args.seeds
     overrides = {
         "max_words": args.max_words, "train": args.train_size, "vocab": args.vocab_size,
+        "model_dim": args.model_dim,
         "asr_max_update": args.asr_max_update, "st_max_update": args.st_max_update,
     }  # fmt: skip
     args.sizes = replace(TINY if args.tiny else FULL,
@@ -430,7 +451,8 @@ def run_study(args, argv):
         st_records = [recorded.by_run[r.save_dir] for r in runs if r.save_dir in recorded.by_run]
         if any(r["arm"] == "local" for r in st_records):
             cost = attention_cost(
-                data, asr_record["chosen_windows"], sizes.timing_rounds, sizes.timing_batch
+                data, asr_record["chosen_windows"], sizes.model_dim, sizes.timing_rounds,
+                sizes.timing_batch,
             )
     settings = {
         "command": "python scripts/speech_study.py "

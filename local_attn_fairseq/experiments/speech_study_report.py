@@ -160,7 +160,8 @@ def report(facts, sizes, settings, asr, arms, cost, image):
         f"books, spoken by {', '.join(held_out)}"
         + (f" (also heard in training: {', '.join(heard)})" if heard else
            ", a voice training never hears")  # fmt: skip
-        + f". Model `{ARCH}`, sentencepiece {sizes.vocab} per task; every run trained until "
+        + f". Model `{ARCH}` at width {sizes.model_dim} (FFN {4 * sizes.model_dim}), "
+        f"sentencepiece {sizes.vocab} per task; every run trained until "
         f"validation loss had not improved for {settings['patience']} epochs or its cap (ASR "
         f"{sizes.asr_max_update:,}, ST {sizes.st_max_update:,} updates); the checkpoint of the "
         "best validation loss is scored on the test books.",

@@ -16,7 +16,9 @@ STUDY = os.path.join(REPO, "scripts", "speech_study.py")
 
 
 def run_study(work, cwd, *options):
-    out = run_script(STUDY, "--tiny", "--seeds", 1, "--work-dir", work, *options, cwd=cwd)
+    out = run_script(
+        STUDY, "--tiny", "--seeds", 1, "--work-dir", work, "--model-dim", 32, *options, cwd=cwd
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -46,6 +48,16 @@ def test_speech_study_trains_scores_records_and_reports(tmp_path):
     assert (work / "images" / "speech_study_curves.png").stat().st_size > 0
     summary = json.loads(next(work.glob("*/speech_study.json")).read_text())
     assert summary["cost"]["arms"]["local"]["windows"] == by_arm["asr"]["chosen_windows"]
+    # every model, and the encoders timed for the cost table, at the width asked for
+    assert "at width 32 (FFN 128)" in report and summary["cost"]["embed_dim"] == 32
+    run_settings = list(work.glob("*/runs/*/settings.json"))
+    assert len(run_settings) == 3
+    for settings in run_settings:
+        argv = json.loads(settings.read_text())["argv"]
+        widths = argv.index("--encoder-embed-dim")
+        assert argv[widths : widths + 4] == [
+            "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "128"
+        ]  # fmt: skip
 
     # the same command again: every run is read from its record, none trained or scored again
     mtimes = {p: p.stat().st_mtime for p in records}
