@@ -90,8 +90,8 @@ class Sizes:
     books: Optional[str] = None
 
 
-# About 10 hours of a 2-core machine (docs/speech_study.md): 8,000 verses of at most 25 words
-# are 13 hours of speech, ~480 updates an epoch; ASR and ST epochs take 5-6 minutes.
+# Sized for about 10 hours of a 2-core machine (docs/speech_study.md): 8,000 verses of at most
+# 25 words are 13 hours of speech, ~480 updates an epoch; width 128, since 64 under-fits them.
 FULL = Sizes(max_words=25, train=8000, dev=None, test=None, vocab=1000,
              asr_max_update=15_000, st_max_update=12_000, model_dim=128)  # fmt: skip
 TINY = Sizes(max_words=12, train=24, dev=6, test=6, vocab=100,

@@ -463,10 +463,8 @@ def clipped_band(left: Window, right: Window, heads: int, length: int):
     the band's size: everything works on the clipped band. Returns (left, right) as tuples of
     ints and W = max(left) + max(right) + 1; worked out once per windows and sizes.
     """
-    if type(left) is int and type(right) is int:  # the commonest call: one window for all heads
-        return _clipped_band(left, right, heads, length)
     if _plain_windows(left) and _plain_windows(right):
-        plain = [x if type(x) is int else tuple(x) for x in (left, right)]
+        plain = [w if type(w) is int else tuple(w) for w in (left, right)]
         return _clipped_band(*plain, heads, length)
     return _clip_band(left, right, heads, length)
 
