@@ -7,7 +7,10 @@
   (a progress bar on a terminal, plain periodic lines in logs), and the validation history;
 - ``demo``: baseline against ``transformer_local_tied`` on Ding de-en or Bible en-es, and the
   sizes, schedule and data preparation the other experiments share;
-- ``speech_demo``: windows from the contributions of an ASR encoder, used by a local ST model;
+- ``speech_pipeline``: Alastruey et al.'s steps as fairseq runs them (the speech model and its
+  schedule, feature preparation, scoring, the contributions analysis), shared by:
+- ``speech_demo``: the speech study in quick form on spoken Bible verses, with the levels that
+  show ST learning (before training, test audio shuffled);
 - ``prune_demo``: encoder heads gated with the L0 penalty, pruned and scored per lambda;
 - ``study``, ``study_report``, ``small_scale_study``: resumable training runs keyed by their
   settings, trained until validation loss stops improving, and the study report with learning

@@ -11,8 +11,8 @@ their settings, trained until validation loss stops improving, resumable, record
    voice that training never hears; 80-dim filterbanks (``data.mustc``);
 2. ASR pre-training of ``s2t_transformer_local_tiny`` at ``--model-dim`` (128: the
    architecture's own 64 under-fits the corpus) with every encoder layer global, with
-   fairseq's CTC loss on the encoder beside the decoder's (``experiments.speech_demo`` says
-   why);
+   fairseq's CTC loss on the encoder beside the decoder's (``experiments.speech_pipeline``
+   says why);
 3. the contributions analysis of its encoder over the dev set: one window per layer
    (Algorithm 1, the paper's width convention) and each layer's CCD;
 4. two ST arms, each initialised from the ASR encoder, identical but for the encoder's
@@ -45,7 +45,7 @@ from typing import Optional
 
 from ..cli_types import non_negative_int, positive_int
 from ..data.mustc import read_manifest
-from . import speech_demo, study
+from . import speech_pipeline, study
 from .demo import add_work_dir, claimed_work_dir
 from .fairseq_runner import USER_DIR, RunFailed, exit_on_failure, run_python
 from .small_scale_study import seed_list
@@ -54,20 +54,9 @@ from .training_progress import ProgressDisplay, console_logging
 
 CORPUS = "bible-en-es"
 LANG = "es"
-ARCH = speech_demo.ARCH
-GLOBAL_WINDOWS = speech_demo.GLOBAL_WINDOWS
+GLOBAL_WINDOWS = speech_pipeline.GLOBAL_WINDOWS
 DEFAULT_WORK_DIR = "speech_study_runs"
 DOCS = "docs"
-# The demo's schedule, its seed and checkpoint options left to the runner (each run has its own
-# seed; resuming needs the last checkpoint); larger batches, since a verse is ~6 s of speech.
-MAX_TOKENS = 10_000
-SCHEDULE = study.without_options(
-    speech_demo.SCHEDULE, {"--seed": 1, "--no-last-checkpoints": 0, "--max-tokens": 1}
-) + ["--max-tokens", str(MAX_TOKENS)]
-# Decoding: a verse translates into up to ~60 pieces; the demo's limit would cut some.
-GENERATE = study.without_options(speech_demo.GENERATE, {"--max-len-b": 1}) + [
-    "--max-len-a", "0", "--max-len-b", "200",
-]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -144,7 +133,7 @@ def prepare(work, sizes, workers):
     synthesize(corpus, sizes, workers)
     experiment = os.path.join(work, f"{corpus_tag(sizes)}_spm{sizes.vocab}")
     data = os.path.join(experiment, "data")
-    speech_demo.prepare(corpus, data, sizes.vocab, workers, lang=LANG)
+    speech_pipeline.prepare(corpus, data, sizes.vocab, workers, LANG)
     return SpeechData(corpus, data, experiment)
 
 
@@ -164,8 +153,8 @@ def run_argv(data, task, windows, seed, model_dim, pretrained=None):
     argv = [
         data.data, "--user-dir", USER_DIR, "--task", "speech_to_text", "--config-yaml",
         f"config_{task}.yaml", "--train-subset", f"train_{task}", "--valid-subset",
-        f"dev_{task}", "--arch", ARCH, *widths, "--encoder-attention-windows", windows,
-        *SCHEDULE, *speech_demo.CRITERION[task], "--seed", str(seed),
+        f"dev_{task}", "--arch", speech_pipeline.ARCH, *widths, "--encoder-attention-windows",
+        windows, *speech_pipeline.SCHEDULE, *speech_pipeline.CRITERION[task], "--seed", str(seed),
     ]  # fmt: skip
     if pretrained:
         argv += ["--load-pretrained-encoder-from", pretrained]
@@ -208,7 +197,7 @@ def record_path(records, run):
 
 def encoder_ccd(data, checkpoint, task, out_dir, num_sentences):
     """Mean CCD per encoder layer over the dev set, and the windows Algorithm 1 chooses."""
-    windows = speech_demo.contributions(data, checkpoint, out_dir, num_sentences, task=task)
+    windows = speech_pipeline.contributions(data, checkpoint, out_dir, num_sentences, task)
     with open(os.path.join(out_dir, "contributions.json"), encoding="utf-8") as f:
         layers = json.load(f)["layers"]
     return windows, [round(layer["ccd_mean"], 4) for layer in layers], layers
@@ -220,7 +209,7 @@ def score_run(run, log, data, task, max_update, dev_size):
     checkpoint = os.path.join(run.save_dir, "checkpoint_best.pt")
     generated = os.path.join(run.save_dir, "test", "generate-tst-COMMON.txt")
     os.makedirs(os.path.dirname(generated), exist_ok=True)
-    score = speech_demo.score(data.data, checkpoint, task, generated, GENERATE)
+    score = speech_pipeline.score(data.data, checkpoint, task, generated)
     chosen, ccd, layers = encoder_ccd(
         data.data, checkpoint, task, os.path.join(run.save_dir, "contributions"), dev_size
     )
@@ -230,7 +219,7 @@ def score_run(run, log, data, task, max_update, dev_size):
         "corpus": CORPUS,
         "arm": arm_of(run),
         "seed": run.seed,
-        "metric": speech_demo.METRIC[task],
+        "metric": speech_pipeline.METRIC[task],
         "score": score,
         "windows": windows,
         "ccd": ccd,
@@ -373,7 +362,7 @@ def attention_cost(data, windows, model_dim, rounds, batch=None):
             "weight_bytes_corpus": float(corpus["weight_bytes"].sum()),
         }
     cost["mean_encoder_frames"] = int(at_mean["encoder_frames"][0])
-    batch = batch or max(1, MAX_TOKENS // mean_frames)
+    batch = batch or max(1, speech_pipeline.MAX_TOKENS // mean_frames)
     measured = measure(encoders, mean_frames, batch, rounds)
     cost["timing"] = {
         "batch": batch,
@@ -437,15 +426,25 @@ def parse_args(argv):
     return args
 
 
-def run_study(args, argv):
-    work = os.path.abspath(args.work_dir)
-    started = time.time()
-    sizes = args.sizes
+@dataclass
+class Outcome:
+    """What the study's steps produced: the data, every run and its record, the cost side."""
+
+    data: SpeechData
+    asr_record: Optional[dict]
+    st_runs: list
+    st_records: list
+    cost: Optional[dict]
+
+
+def run_steps(args):
+    """Corpus, ASR, windows, ST arms, scores and cost: each step skipped where done."""
+    sizes, work = args.sizes, os.path.abspath(args.work_dir)
     data = prepare(work, sizes, args.workers)
     recorded = Recorded(os.path.abspath(args.records or os.path.join(work, "records")),
                         args.patience)  # fmt: skip
     asr, asr_record = train_asr(data, sizes, args, recorded)
-    st_records, cost = [], None
+    runs, st_records, cost = [], [], None
     if asr_record is not None:
         runs = train_st(data, sizes, args, recorded, asr, asr_record)
         st_records = [recorded.by_run[r.save_dir] for r in runs if r.save_dir in recorded.by_run]
@@ -454,19 +453,29 @@ def run_study(args, argv):
                 data, asr_record["chosen_windows"], sizes.model_dim, sizes.timing_rounds,
                 sizes.timing_batch,
             )
-    settings = {
-        "command": "python scripts/speech_study.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+    return Outcome(data, asr_record, runs, st_records, cost)
+
+
+def report_settings(args, argv, started, script="scripts/speech_study.py"):
+    return {
+        "command": f"python {script} " + " ".join(sys.argv[1:] if argv is None else argv),
         "minutes": (time.time() - started) / 60,
         "machine": f"{os.cpu_count()} CPU cores",
         "patience": args.patience,
         "seeds": args.seed_list,
     }
+
+
+def run_study(args, argv):
+    work = os.path.abspath(args.work_dir)
+    started = time.time()
+    outcome = run_steps(args)
     targets = [(work, os.path.join(work, "images"), False)]
     if args.write_docs:
         docs = os.path.abspath(DOCS)
         targets.append((docs, os.path.join(docs, "images"), True))
-    print(write_report(data, sizes, settings, asr_record, st_records, cost, targets))
+    print(write_report(outcome.data, args.sizes, report_settings(args, argv, started),
+                       outcome.asr_record, outcome.st_records, outcome.cost, targets))  # fmt: skip
 
 
 def main(argv=None):

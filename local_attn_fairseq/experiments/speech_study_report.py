@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 from ..file_safety import atomic_write_text
 from . import study
-from .speech_demo import ARCH, GLOBAL_WINDOWS
+from .speech_pipeline import ARCH, GLOBAL_WINDOWS
 from .study_report import replace_section
 from .training_progress import Validation
 

@@ -7,6 +7,8 @@ import re
 import pytest
 import torch
 
+from local_attn_fairseq.experiments.speech_pipeline import SCORING
+
 from ..conftest import USER_DIR, fairseq_cli
 from ..scripts.speech_corpus import SIZES, prepared
 
@@ -28,10 +30,6 @@ GENERATE = (
     "--task speech_to_text --beam 2 --max-len-b 8 --batch-size 4 --num-workers 0 "
     "--required-batch-size-multiple 1"
 ).split()
-SCORING = {
-    "asr": "--scoring wer --wer-tokenizer 13a --wer-lowercase --wer-remove-punct".split(),
-    "st": ["--scoring", "sacrebleu"],
-}
 
 
 def train(data, save_dir, task, *extra):

@@ -10,9 +10,11 @@ from datetime import datetime, timedelta
 import pytest
 import torch
 
+from local_attn_fairseq.data.mustc import read_manifest
 from local_attn_fairseq.experiments.measurement import attention_traffic_bytes, band_flops
 
 from ..conftest import REPO, run_script
+from .speech_corpus import needs_diatheke, needs_espeak
 
 pytestmark = pytest.mark.slow
 
@@ -51,48 +53,60 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     assert again.returncode == 0 and "fairseq-train" not in again.stdout
 
 
+@needs_espeak
+@needs_diatheke
 def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
+    """``make demo-speech``'s command on a few dozen spoken verses, a few updates a run."""
     work = tmp_path / "speech"
-    argv = ["--quick", "--work-dir", work, "--train-size", "80"]
+    argv = ["--quick", "--work-dir", work]
     out = run_script(SPEECH_DEMO, *argv, separate_process=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    asr_dir = work / "runs_80-16-16_spm250" / "asr_ctc_e1"
-    windows = (asr_dir / "contributions" / "windows.txt").read_text().strip()
+    results = json.loads((work / "results.json").read_text())
+    windows = ",".join(str(w) for w in results["windows"])
     table = out.stdout[out.stdout.index("| model |") :]
     assert re.search(r"\| ASR \(global\) \| 0,0,0,0,0,0 \| WER [\d.]+ \|", table)
-    assert re.search(r"\| ST baseline \(global\) \| 0,0,0,0,0,0 \| BLEU [\d.]+ \|", table)
-    assert f"| ST local (windows) | {windows} | BLEU" in table
-    assert len(windows.split(",")) == 6
-    for analysis in ("contributions", "contributions_asr_vs_st"):
-        for name in ("contributions.json", "contribution_matrices.png", "ccd.png"):
-            assert (asr_dir / analysis / name).stat().st_size > 0
-    compared = json.loads((asr_dir / "contributions_asr_vs_st" / "contributions.json").read_text())
-    assert compared["compare"]["subset"] == "dev_st" and len(compared["compare"]["layers"]) == 6
-    assert "ctc_loss" in (asr_dir / "train.log").read_text()  # ASR trains with fairseq's CTC
-    # not a terminal: plain progress lines while the ASR and the two ST models train
-    for run in ("ASR", "ST global", "ST local"):
-        assert re.search(rf"^\| progress \| {run}: epoch \d+ \| updates", out.stdout, re.M), run
-    local_dir = asr_dir / f"st_local_e1_w{windows.replace(',', '-')}"
-    st_log = (local_dir / "train.log").read_text()
-    assert (
-        "loaded pretrained encoder" in st_log and f"encoder attention windows: {windows}" in st_log
-    )
-    results = json.loads((work / "results.json").read_text())
-    assert [r["metric"] for r in results["rows"]] == ["WER", "BLEU", "BLEU"]
-    assert results["sizes"]["train"] == 80
-    train_yaml = work / "corpus_80-16-16" / "en-de" / "data" / "train" / "txt" / "train.yaml"
-    assert train_yaml.read_text().count("wav:") == 80
+    global_rows = ["ST, global encoder, before training", "ST, global encoder",
+                   "ST, global encoder, test audio shuffled across verses"]  # fmt: skip
+    local = "ST, local encoder (Algorithm 1's windows)"
+    for model in global_rows:
+        assert re.search(rf"\| {re.escape(model)} \| 0,0,0,0,0,0 \| BLEU [\d.]+ \|", table), model
+    for model in (local, f"{local}, test audio shuffled across verses"):
+        assert f"| {model} | {windows} | BLEU" in table, model
+    assert [r["model"] for r in results["rows"]] == ["ASR (global)", *global_rows, local,
+                                                     f"{local}, test audio shuffled across verses"]
+    assert "Encoder self-attention of the local arm at the mean length" in out.stdout
+    assert (work / "speech_study.md").stat().st_size > 0 and (work / "results.md").exists()
+    # not a terminal: plain progress lines while the three models train
+    for run in ("ASR, global encoder", "ST, global encoder", re.escape(local)):
+        assert re.search(rf"^\| progress \| {run}.*: epoch \d+ \| updates", out.stdout, re.M), run
 
-    # a run that stopped before its end is trained and scored again; finished ones are reused
-    log = local_dir / "train.log"
-    log.write_text(st_log.replace("done training in", "stopped after"))
+    # the untrained level decodes the model the global arm started from: the ASR encoder it
+    # loaded, the decoder its seed drew (not the trained one)
+    (st_dir,) = work.glob("*/runs/st_global-*")
+    initial = torch.load(st_dir / "initial" / "checkpoint_initial.pt", weights_only=False)
+    trained = torch.load(st_dir / "checkpoint_best.pt", weights_only=False)
+    (encoder_file,) = work.glob("*/runs/asr-*/encoder_for_st_u*.pt")
+    asr = torch.load(encoder_file, weights_only=False)["model"]
+    layer = "encoder.transformer_layers.0.fc1.weight"
+    assert torch.equal(initial["model"][layer], asr[layer])
+    assert not torch.equal(initial["model"][layer], trained["model"][layer])
+    decoder = "decoder.layers.0.fc1.weight"
+    assert not torch.equal(initial["model"][decoder], trained["model"][decoder])
+    # the shuffled test set pairs every verse's text with another verse's audio
+    (data,) = work.glob("*/data")
+    real, shuffled = (read_manifest(data / f"{name}_st.tsv")
+                      for name in ("tst-COMMON", "tst-COMMON_shuffled"))  # fmt: skip
+    assert [r["tgt_text"] for r in real] == [r["tgt_text"] for r in shuffled]
+    assert all(a["audio"] != b["audio"] for a, b in zip(real, shuffled))
+    assert sorted(r["audio"] for r in real) == sorted(r["audio"] for r in shuffled)
+
+    # a second run trains and decodes nothing: every run and score is read back
     again = run_script(SPEECH_DEMO, *argv)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    for tool in ("fairseq-train", "fairseq-generate"):
-        redone = [
-            line for line in again.stdout.splitlines() if line.startswith("$ ") and tool in line
-        ]
-        assert len(redone) == 1 and str(local_dir) in redone[0], (tool, redone)
+    assert "fairseq_train" not in again.stdout and "fairseq-generate" not in again.stdout
+    assert again.stdout[again.stdout.index("| model |") :].split("\n\n")[0] == table.split(
+        "\n\n"
+    )[0]
 
 
 def test_benchmark_prints_the_ratio(tmp_path):
