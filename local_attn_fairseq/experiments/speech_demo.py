@@ -35,7 +35,7 @@ from ..file_safety import atomic_write_text
 from . import speech_pipeline, speech_study
 from .demo import add_work_dir, claimed_work_dir
 from .fairseq_runner import exit_on_failure
-from .speech_study_report import ARMS, window_list, write_report
+from .speech_study_report import ARMS, corpus_facts, speech_length, window_list, write_report
 from .training_progress import console_logging
 
 DEFAULT_WORK_DIR = os.path.join("demo_runs", "speech")
@@ -87,9 +87,9 @@ def untrained_and_shuffled_levels(outcome):
         test = os.path.join(run.save_dir, "test")
         untrained = None
         if arm == "global":
-            encoder = run.argv[run.argv.index("--load-pretrained-encoder-from") + 1]
             initial = speech_pipeline.write_initial_checkpoint(
-                checkpoint, os.path.join(run.save_dir, "initial", "checkpoint_initial.pt"), encoder
+                checkpoint, os.path.join(run.save_dir, "initial", "checkpoint_initial.pt"),
+                run.option("--load-pretrained-encoder-from"),
             )
             untrained = speech_pipeline.score(
                 data, initial, "st", os.path.join(test, "generate-tst-COMMON-untrained.txt")
@@ -139,11 +139,11 @@ def cost_line(cost):
 
 
 def title(outcome, sizes):
-    test = outcome.data.manifest("tst-COMMON_st")
-    hours = sum(int(r["n_frames"]) for r in outcome.data.manifest("train_st")) / 100 / 3600
+    facts = corpus_facts(outcome.data)
     return (
         f"Spoken Bible en-es (espeak-ng): {sizes.train:,} training verses of at most "
-        f"{sizes.max_words} words ({hours:.1f} h of speech); test: {len(test)} verses of "
+        f"{sizes.max_words} words ({speech_length(facts['train']['hours'])} of speech); test: "
+        f"{facts['tst-COMMON']['utterances']} verses of "
         f"{' and '.join(bible.TEST_BOOKS)} in a voice training never hears; width "
         f"{sizes.model_dim}, ASR {sizes.asr_max_update:,} updates, ST {sizes.st_max_update:,} "
         "updates each"

@@ -213,7 +213,7 @@ def score_run(run, log, data, task, max_update, dev_size):
     chosen, ccd, layers = encoder_ccd(
         data.data, checkpoint, task, os.path.join(run.save_dir, "contributions"), dev_size
     )
-    windows = run.argv[run.argv.index("--encoder-attention-windows") + 1]
+    windows = run.option("--encoder-attention-windows")
     rates = log.epoch_words_per_s[1:] or log.epoch_words_per_s
     record = {
         "corpus": CORPUS,

@@ -136,9 +136,13 @@ class TrainingRun:
     def key(self):
         return run_key(self.argv, self.work_dir)
 
+    def option(self, name):
+        """The value of one fairseq option of the run (``--seed``, say)."""
+        return self.argv[self.argv.index(name) + 1]
+
     @property
     def seed(self):
-        return int(self.argv[self.argv.index("--seed") + 1])
+        return int(self.option("--seed"))
 
     @property
     def save_dir(self):
