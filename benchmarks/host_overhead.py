@@ -13,8 +13,9 @@ shared and noisy: the ratio of the medians is what counts):
     pruned     a layer pruned to 2 of 8 heads
 
 Targets (ours / peer): banded <= 1.2; local-k, pande, pruned <= 1.1; gaussian, gates <= 1.3;
-mw, aw <= 1.6. On CUDA the host time is the wall time of issuing the calls (no synchronisation
-inside the loop) and the GPU time the profiler's kernel time, both per call.
+mw, aw <= 1.6. On the CPU a call's time is the process's CPU time (a shared machine's other
+work does not count); on CUDA the host time is the wall time of issuing the calls (no
+synchronisation inside the loop) and the GPU time the profiler's kernel time, both per call.
 
     python benchmarks/host_overhead.py [--rounds 7] [--calls 200] [--threads 1]
     python benchmarks/host_overhead.py --only banded local-k --profile 12

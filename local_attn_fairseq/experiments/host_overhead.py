@@ -383,7 +383,7 @@ def settings_line(device: torch.device, rounds: int, calls: int, padding_mask: b
         where = f"{torch.cuda.get_device_name(device)} (host time: issuing the calls; GPU time: "
         where += "the profiler's kernel time)"
     else:
-        where = f"CPU, torch threads {torch.get_num_threads()}"
+        where = f"CPU, torch threads {torch.get_num_threads()} (the process's CPU time)"
     mask = "an all-False key_padding_mask" if padding_mask else "key_padding_mask None"
     return (
         f"{TABLE_START}forward + backward, float32), {where}, torch "

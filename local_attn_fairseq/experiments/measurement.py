@@ -117,15 +117,17 @@ class ForwardBackward:
 
 
 def host_seconds_per_call(call: Callable[[], None], calls: int, device) -> float:
-    """Wall time of issuing ``calls`` calls, per call. The device is synchronised before the
-    loop and after the clock stops, never inside: on a GPU the kernels queue up while the host
-    goes on, so this is the host's cost of a call (as long as the device keeps up); on the CPU
-    it is the whole call."""
+    """The host's time for ``calls`` calls, per call. On a GPU, the wall time of issuing them:
+    the device is synchronised before the loop and after the clock stops, never inside, so the
+    kernels queue up while the host goes on (the host's cost, as long as the device keeps up).
+    On the CPU, where the call is all host work, the CPU time the process spent on them: on a
+    shared machine, time spent waiting for a core is not the call's."""
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(calls):
         call()
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     synchronize(device)
     return elapsed / calls
 

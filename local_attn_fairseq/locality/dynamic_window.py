@@ -44,6 +44,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..ops import mechanisms
 from .constant_cache import cached_constants
 
 
@@ -299,10 +300,33 @@ class DynamicWindow(nn.Module):
         """query (bsz, tgt_len, query_dim), key (bsz, src_len, key_dim) or its
         ``projected_keys``, key_padding_mask (bsz, src_len) True for padding -> mask M, float32
         (bsz, heads, tgt_len, src_len)."""
-        phi = self._stacked_pointers(query, key, key_padding_mask, causal, projected_keys)
+        if projected_keys is None:
+            self.check_inputs(query, key, key_padding_mask, causal)
+            projected_keys = self.project_keys(key)
+        if mechanisms.cpu_operators_apply(query, projected_keys, self.query_pointers.weight):
+            mask, phi = self._mask_by_cpu_operator(
+                query, key_padding_mask, causal, projected_keys
+            )
+        else:
+            phi = self._stacked_pointers(query, key, key_padding_mask, causal, projected_keys)
+            mask = stacked_window_mask(phi, self.segment_size, key_padding_mask)
         if self.record:
             self.last_pointers = tuple(p.detach() for p in phi.chunk(2, dim=1))
-        return stacked_window_mask(phi, self.segment_size, key_padding_mask)
+        return mask
+
+    def _mask_by_cpu_operator(self, query, key_padding_mask, causal, projected_keys):
+        """M and the (detached) stacked pointers in one C++ call (ops/mechanisms.py)."""
+        bsz, tgt_len, src_len = query.size(0), query.size(1), projected_keys.size(2)
+        self.check_causal(causal, tgt_len, src_len)
+        visible = self.visible_keys(key_padding_mask, causal, bsz, tgt_len, src_len)
+        real = bounds = None
+        if key_padding_mask is not None or self.segment_size is not None:
+            real = real_keys(key_padding_mask, bsz, src_len, query.device)
+        if self.segment_size is not None:
+            bounds = segment_bounds(real, self.segment_size)
+        return mechanisms.dynamic_window_mask(
+            query, self.query_pointers.weight, projected_keys, visible, real, bounds
+        )
 
     def check_inputs(self, query, key, key_padding_mask, causal):
         if query.dim() != 3 or key.dim() != 3 or query.size(0) != key.size(0):

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops import mechanisms
 from .constant_cache import cached_constants
 
 WINDOW_STRATEGIES = ("fixed", "layer", "query", "head")
@@ -103,15 +104,8 @@ class GaussianLocalness(nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """P and D, each (bsz, heads, tgt_len), from queries (bsz, tgt, dq), keys (bsz, src, dk)
         and the realness of the keys (bsz, src)."""
-        tgt_len, src_len = q.size(1), k.size(1)
-        if causal:
-            # query t sits at key position src_len - tgt_len + t and sees the keys up to it
-            seen = real.cumsum(-1)[:, src_len - tgt_len :]  # (bsz, tgt)
-        else:
-            seen = real.sum(-1, keepdim=True).expand(-1, tgt_len)
-        length = seen.unsqueeze(1)  # I, (bsz, 1, tgt)
-        # the code convention's centre reaches the last real key, I - 1, and no further
-        span = (length - 1).clamp_min(0) if self.centre == "code" else length
+        seen, span = self._lengths(real, causal, q.size(1))
+        length, span = seen.unsqueeze(1), span.unsqueeze(1)  # I, (bsz, 1, tgt)
         hidden = torch.tanh(self.w_p(q))
         if self.strategy == "query":
             # U_p and U_d read the same hidden state: one matmul for both scalars
@@ -122,9 +116,9 @@ class GaussianLocalness(nn.Module):
         if self.strategy == "fixed":
             window = torch.full_like(centre, self.fixed_window)
         elif self.strategy == "head":
-            window = (self.max_window * torch.sigmoid(self.z.float()))[None, :, None]
-            window = window.expand_as(centre)
+            window = self._head_windows().view(1, -1, 1).expand_as(centre)
         else:
+            src_len, tgt_len = k.size(1), q.size(1)
             key_sum = k * real.unsqueeze(-1).to(k.dtype)
             if causal:
                 key_sum = key_sum.cumsum(1)[:, src_len - tgt_len :]
@@ -134,6 +128,21 @@ class GaussianLocalness(nn.Module):
             z = self.u_d(torch.tanh(self.w_d(mean_key))).transpose(1, 2).float()
             window = self._scaled_window(length, z).expand_as(centre)
         return centre, window
+
+    def _lengths(self, real: Tensor, causal: bool, tgt_len: int) -> Tuple[Tensor, Tensor]:
+        """I, the real keys each query sees, and the span its centre may reach (I under the
+        paper's convention, I - 1 under the code's), each (bsz, tgt_len)."""
+        if causal:
+            # query t sits at key position src_len - tgt_len + t and sees the keys up to it
+            seen = real.cumsum(-1)[:, real.size(-1) - tgt_len :]
+        else:
+            seen = real.sum(-1, keepdim=True).expand(-1, tgt_len)
+        # the code convention's centre reaches the last real key, I - 1, and no further
+        return seen, (seen - 1).clamp_min(0) if self.centre == "code" else seen
+
+    def _head_windows(self) -> Tensor:
+        """D of the head strategy (Eq. 11), (heads,)."""
+        return self.max_window * torch.sigmoid(self.z.float())
 
     def _scaled_window(self, length: Tensor, z: Tensor) -> Tensor:
         """D = I sigmoid(z) (Eqs. 8-9), plus 0.1 under the code convention."""
@@ -152,6 +161,9 @@ class GaussianLocalness(nn.Module):
         operation when logits are given, with P and D (bsz, heads, tgt_len)."""
         bsz, src_len = k.size(0), k.size(1)
         positions, real = real_key_positions(key_padding_mask, bsz, src_len, k.device)
+        operands = (q,) if logits is None else (q, logits)
+        if self.strategy != "layer" and mechanisms.cpu_operators_apply(*operands):
+            return self._forward_cpu_operator(q, real, positions, causal, logits)
         centre, window = self.centres_and_windows(q, k, real, causal)
         # -(j - P)^2 / (2 sigma^2) with sigma = D / 2 is -(j - P)^2 * 2 / D^2
         scale = (-2.0 / window.clamp_min(MIN_WINDOW).square()).unsqueeze(-1)
@@ -159,3 +171,24 @@ class GaussianLocalness(nn.Module):
         if logits is None:
             return squared_offset * scale, centre, window
         return torch.addcmul(logits, squared_offset, scale), centre, window
+
+    def _forward_cpu_operator(self, q, real, positions, causal, logits):
+        """:meth:`forward` in one C++ call (ops/mechanisms.py); P and D come back detached."""
+        seen, span = self._lengths(real, causal, q.size(1))
+        window = u_d = None
+        if self.strategy == "query":
+            u_d = self.u_d.weight
+        elif self.strategy == "head":
+            window = self._head_windows()
+        else:
+            window = _constant_windows(self.num_heads, self.fixed_window, q.device)
+        offset = CODE_WINDOW_OFFSET if self.centre == "code" and window is None else 0.0
+        return mechanisms.gaussian_localness(
+            q, self.w_p.weight, self.u_p.weight, u_d, span, seen, positions, window, logits,
+            offset, MIN_WINDOW,
+        )
+
+
+@cached_constants(maxsize=16)
+def _constant_windows(heads: int, window: float, device: torch.device) -> Tensor:
+    return torch.full((heads,), window, device=device)

@@ -27,7 +27,9 @@ mechanisms are only fixed masks and windows need no T x T matrix either when a w
 attends to itself and nobody asks for the weights: a layer of local heads is one call of the
 banded operator; in a layer with Pande's band heads, each kind of head takes its own path (band
 heads: the band of the full softmax, ``ops.band_with_global_lse``; local heads: the banded
-operator; global heads: the fused path), with the same outputs as steps 1-7 above.
+operator; global heads: the fused path), with the same outputs as steps 1-7 above. On the CPU,
+a layer whose Gaussian bias or dynamic windows cover every head runs steps 2-6 as C++ operators
+(``ops.mechanisms``): one for each mechanism's term, one for the attention that takes them.
 
 The call signature, incremental state and returned weights follow
 ``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
@@ -52,8 +54,9 @@ from ..locality.head_gates import DEFAULT_GATE_INIT, HardConcreteGates
 from ..locality.masked_softmax import safe_softmax
 from ..locality.relative_position import RelativePositions
 from ..locality.spec import LOCALNESS_DEFAULTS, HeadSpec
+from ..ops import mechanisms
 from ..ops.band_with_global_lse import all_keys_logsumexp, band_of_full_softmax
-from ..ops.banded_attention import banded_attention
+from ..ops.banded_attention import banded_attention, draw_dropout_keep
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
@@ -199,6 +202,16 @@ class LocalMultiheadAttention(nn.Module):
             else None
         )
         self._build_dynamic_windows(bias)
+        # Layers whose mechanisms are per-head terms covering every head (the Gaussian bias, one
+        # kind of dynamic window, Pande's masks) and nothing else: on the CPU, steps 2-6 are one
+        # C++ operator.
+        self.terms_cover_every_head = (
+            bool(self.gaussian_heads or self.dynamic_windows or self.has_head_masks)
+            and len(self.gaussian_heads) in (0, self.num_heads)
+            and (not self.dynamic_windows or self.aw_covers_all_heads or self.mw_covers_all_heads)
+            and not self.has_local_heads
+            and self.relative_positions is None
+        )
         # Modules holding the Wq/Wk of other layers; kept out of _modules so that a tied
         # parameter is registered (and saved, counted, averaged) exactly once.
         self._qk_owner_modules: Dict[int, "LocalMultiheadAttention"] = {}
@@ -356,6 +369,11 @@ class LocalMultiheadAttention(nn.Module):
         if self._can_use_band_lse(need_weights, before_softmax, tgt_len, src_len, attn_mask):
             out = self._attention_by_head_kind(q, k, v, key_padding_mask, attn_mask)
             return self._merge_heads(out, tgt_len, bsz), None
+        if self._can_use_terms_operator(need_weights, before_softmax, q, v, attn_mask):
+            out = self._attention_with_terms(
+                q, k, v, query, window_keys, key_padding_mask, attn_mask
+            )
+            return self._merge_heads(out, tgt_len, bsz), None
 
         scaled_q = q * self.scaling
         logits = torch.matmul(scaled_q, k.transpose(-1, -2))  # (bsz, groups, tgt, src)
@@ -473,12 +491,57 @@ class LocalMultiheadAttention(nn.Module):
     def _add_local_window_scores(self, logits, query, window_keys, windows):
         """Additive window (Eqs. 14-16): the AW heads' logits gain s_loc * M / sqrt(d), from their
         own local Q/K projections; padding and causal masks come after (M is 0 there)."""
+        if self.aw_covers_all_heads:
+            return logits + self._local_window_scores(query, window_keys, windows)
+        local_scores = self._local_window_scores(
+            query, window_keys, windows.index_select(1, self.aw_rows)
+        )
+        return logits.index_add(1, self.aw_heads, local_scores)
+
+    def _local_window_scores(self, query, window_keys, aw_windows):
+        """s_loc * M / sqrt(d) of the AW heads, from their windows M."""
         local_q = self._split(self.local_q_proj(query)).float() * self.scaling
         local_scores = torch.matmul(local_q, window_keys["local_key"].float().transpose(-1, -2))
-        if self.aw_covers_all_heads:
-            return logits + local_scores * windows
-        local_scores = local_scores * windows.index_select(1, self.aw_rows)
-        return logits.index_add(1, self.aw_heads, local_scores)
+        return local_scores * aw_windows
+
+    # -- every head's terms in one operator (CPU) ---------------------------------------------
+    def _can_use_terms_operator(self, need_weights, before_softmax, q, v, attn_mask):
+        return (
+            self.terms_cover_every_head
+            and not (need_weights or before_softmax)
+            and (attn_mask is None or attn_mask.dim() == 2)
+            and mechanisms.cpu_operators_apply(q, v)
+        )
+
+    def _attention_with_terms(self, q, k, v, query, window_keys, key_padding_mask, attn_mask):
+        """Steps 2-6 for a layer whose Gaussian bias, dynamic windows or Pande's masks cover
+        every head: the terms from their mechanisms, then the softmax, the post-softmax
+        multipliers, dropout and the product with v in one C++ call (ops/mechanisms.py), as the
+        explicit path computes them."""
+        bsz, tgt_len, src_len = q.size(0), q.size(2), k.size(2)
+        bias = multiplier = None
+        if self.has_head_masks:
+            masks = offset_mask(self.mask_bounds, tgt_len, src_len, q.device)
+            multiplier = masks.to(q.dtype).expand(bsz, -1, -1, -1)
+        if self.localness is not None:
+            bias = self._add_localness(None, q, k, key_padding_mask)
+        if self.dynamic_windows:
+            windows = self._window_masks(query, window_keys, key_padding_mask)
+            if self.aw_covers_all_heads:
+                local = self._local_window_scores(query, window_keys, windows)
+                bias = local if bias is None else bias + local
+            else:
+                multiplier = windows if multiplier is None else multiplier * windows
+        q, k = self._expand_groups(q), self._expand_groups(k)
+        dropout_p = self._attention_dropout_p()
+        shape = (bsz, self.num_heads, tgt_len, src_len)
+        return mechanisms.dense_attention(
+            q, k, v, bias, multiplier,
+            None if attn_mask is None else attn_mask.to(q.dtype),
+            None if key_padding_mask is None else key_padding_mask.to(torch.bool),
+            draw_dropout_keep(shape, dropout_p, q.device),
+            self.scaling, dropout_p,
+        )  # fmt: skip
 
     # -- local and band heads without a T x T matrix ------------------------------------------
     def _needs_no_matrix(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):

@@ -1,0 +1,907 @@
+// CPU operators of two locality mechanisms, each one C++ call forward and one backward: Yang et
+// al.'s Gaussian localness bias and Nguyen et al.'s dynamic window mask. At the lengths where
+// translation trains, the dozens of small PyTorch operations these mechanisms are made of cost
+// more than the attention they modify (docs/banded_attention.md, "Cost per call"); here the
+// products go to ATen and the elementwise work to one loop per attention row.
+//
+// locality/gaussian.py and locality/dynamic_window.py define the mechanisms and compute them on
+// every other device and dtype; ops/mechanisms.py says when these operators are used, and the
+// tests hold them to the PyTorch definitions, outputs and gradients.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace local_attn {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using NamedTensor = std::pair<const at::Tensor*, const char*>;
+
+// CPU tensors of one floating dtype, float32 or float64 (the tests' gradient checks).
+template <size_t N>
+void check_cpu_floats(const NamedTensor (&inputs)[N], const char* op) {
+  const at::ScalarType dtype = inputs[0].first->scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, op, ": ", inputs[0].second,
+              " must be float32 or float64, got ", dtype);
+  for (const auto& [t, name] : inputs) {
+    TORCH_CHECK(t->device().is_cpu(), op, ": ", name, " must be a CPU tensor");
+    TORCH_CHECK(t->scalar_type() == dtype, op, ": ", name, " must be ", dtype, " like ",
+                inputs[0].second, ", got ", t->scalar_type());
+  }
+}
+
+// Rows of (rows, inner) work, split over threads in chunks worth at least a few thousand
+// elements each (a thread per row would cost more than the row at these sizes).
+template <typename F>
+void for_rows(int64_t rows, int64_t inner, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(inner, 1));
+  at::parallel_for(0, rows, grain, body);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gaussian localness (Yang et al. 2018, Eqs. 6-9 and 11):
+//   hidden = tanh(query W_p^T), p = hidden U_p^T, z = hidden U_d^T,
+//   P = span * sigmoid(p),
+//   D = length * sigmoid(z) + window_offset   (query strategy: U_d given), or
+//   D = window[h]                             (fixed and head strategies: the windows given),
+//   out[b, h, i, j] = logits[b, h, i, j] - (positions[b, j] - P)^2 * 2 / max(D, min_window)^2.
+// The two products are ATen's; everything else is one loop over the rows (b, h, i).
+
+template <typename scalar_t>
+scalar_t sigmoid_of(scalar_t x) {
+  return scalar_t(1) / (scalar_t(1) + std::exp(-x));
+}
+
+// A (B, T) tensor read through its strides (span and length are often expanded views).
+template <typename scalar_t>
+struct PerQuery {
+  const scalar_t* data;
+  int64_t batch_stride, query_stride;
+  scalar_t operator()(int64_t b, int64_t t) const {
+    return data[b * batch_stride + t * query_stride];
+  }
+};
+
+template <typename scalar_t>
+PerQuery<scalar_t> per_query(const at::Tensor& t) {
+  return {t.data_ptr<scalar_t>(), t.stride(0), t.stride(1)};
+}
+
+struct LocalnessGeometry {
+  int64_t bsz, heads, tgt_len, src_len, scores_width;  // scores_width: H, or 2H with U_d
+  bool window_given;
+  double window_offset, min_window;
+};
+
+template <typename scalar_t>
+void localness_forward_rows(const LocalnessGeometry& g, const scalar_t* scores,
+                            PerQuery<scalar_t> span, PerQuery<scalar_t> length,
+                            const scalar_t* window, const scalar_t* positions,
+                            const scalar_t* logits, scalar_t* centre_out, scalar_t* window_out,
+                            scalar_t* out) {
+  const scalar_t min_window = static_cast<scalar_t>(g.min_window);
+  const scalar_t offset = static_cast<scalar_t>(g.window_offset);
+  for_rows(g.bsz * g.heads * g.tgt_len, g.src_len, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (g.heads * g.tgt_len), h = (row / g.tgt_len) % g.heads,
+                    t = row % g.tgt_len;
+      const scalar_t* score = scores + (b * g.tgt_len + t) * g.scores_width;
+      const scalar_t c = span(b, t) * sigmoid_of(score[h]);
+      const scalar_t d = g.window_given ? window[h]
+                                        : length(b, t) * sigmoid_of(score[g.heads + h]) + offset;
+      centre_out[row] = c;
+      window_out[row] = d;
+      const scalar_t clamped = std::max(d, min_window);
+      const scalar_t scale = scalar_t(-2) / (clamped * clamped);
+      const scalar_t* pos = positions + b * g.src_len;
+      const scalar_t* l = logits ? logits + row * g.src_len : nullptr;
+      scalar_t* o = out + row * g.src_len;
+      for (int64_t j = 0; j < g.src_len; ++j) {
+        const scalar_t offset_j = pos[j] - c;
+        o[j] = (l ? l[j] : scalar_t(0)) + offset_j * offset_j * scale;
+      }
+    }
+  });
+}
+
+// The gradient of the scores (p and z, (B T, scores_width)) from that of out, and of each row's
+// given window (B, H, T).
+template <typename scalar_t>
+void localness_backward_rows(const LocalnessGeometry& g, const scalar_t* grad,
+                             const scalar_t* scores, PerQuery<scalar_t> span,
+                             PerQuery<scalar_t> length, const scalar_t* positions,
+                             const scalar_t* centre, const scalar_t* window,
+                             scalar_t* grad_scores, scalar_t* grad_window_rows) {
+  const scalar_t min_window = static_cast<scalar_t>(g.min_window);
+  for_rows(g.bsz * g.heads * g.tgt_len, g.src_len, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (g.heads * g.tgt_len), h = (row / g.tgt_len) % g.heads,
+                    t = row % g.tgt_len;
+      const scalar_t* pos = positions + b * g.src_len;
+      const scalar_t* gr = grad + row * g.src_len;
+      const scalar_t c = centre[row];
+      const scalar_t d = std::max(window[row], min_window);
+      double sum_g_offset = 0, sum_g_offset_sq = 0;
+      for (int64_t j = 0; j < g.src_len; ++j) {
+        const double offset_j = pos[j] - c;
+        sum_g_offset += gr[j] * offset_j;
+        sum_g_offset_sq += gr[j] * offset_j * offset_j;
+      }
+      // out = logits + offset^2 * s with s = -2 / d^2: d out / d P = -2 offset s, and
+      // d out / d d = offset^2 * 4 / d^3 (none where clamp_min held d at min_window)
+      const double grad_c = 4.0 * sum_g_offset / (double(d) * d);
+      const double grad_d =
+          window[row] < min_window ? 0.0 : sum_g_offset_sq * 4.0 / (double(d) * d * d);
+      scalar_t* grad_score = grad_scores + (b * g.tgt_len + t) * g.scores_width;
+      const scalar_t sig_p = sigmoid_of(scores[(b * g.tgt_len + t) * g.scores_width + h]);
+      grad_score[h] = static_cast<scalar_t>(grad_c * span(b, t) * sig_p * (1 - sig_p));
+      if (g.window_given) {
+        grad_window_rows[row] = static_cast<scalar_t>(grad_d);
+      } else {
+        const scalar_t sig_z =
+            sigmoid_of(scores[(b * g.tgt_len + t) * g.scores_width + g.heads + h]);
+        grad_score[g.heads + h] =
+            static_cast<scalar_t>(grad_d * length(b, t) * sig_z * (1 - sig_z));
+      }
+    }
+  });
+}
+
+struct LocalnessForward {
+  at::Tensor out, centre, window, query2d, u, hidden, scores;
+};
+
+LocalnessForward localness_forward(const at::Tensor& query, const at::Tensor& w_p,
+                                   const at::Tensor& u_p, const c10::optional<at::Tensor>& u_d,
+                                   const at::Tensor& span, const at::Tensor& length,
+                                   const at::Tensor& positions,
+                                   const c10::optional<at::Tensor>& window,
+                                   const c10::optional<at::Tensor>& logits, double window_offset,
+                                   double min_window) {
+  const char* op = "local_attn::gaussian_localness";
+  const NamedTensor inputs[] = {{&query, "query"}, {&w_p, "w_p"},   {&u_p, "u_p"},
+                                {&span, "span"},   {&length, "length"}, {&positions, "positions"}};
+  check_cpu_floats(inputs, op);
+  const bool window_given = window.has_value() && window->defined();
+  TORCH_CHECK(window_given != (u_d.has_value() && u_d->defined()), op,
+              ": give U_d (windows from the queries) or the windows, not both");
+  TORCH_CHECK(query.dim() == 3 && positions.dim() == 2 && span.dim() == 2 && length.dim() == 2,
+              op, ": expected query (B, T, d), span and length (B, T), positions (B, S)");
+  const int64_t bsz = query.size(0), tgt_len = query.size(1), dim = query.size(2),
+                src_len = positions.size(1), heads = u_p.size(0);
+  TORCH_CHECK(w_p.size(0) == dim && w_p.size(1) == dim && u_p.size(1) == dim, op,
+              ": W_p must be (d, d) and U_p (H, d) for queries of width d = ", dim);
+  TORCH_CHECK(span.size(0) == bsz && span.size(1) == tgt_len && length.sizes() == span.sizes() &&
+                  positions.size(0) == bsz,
+              op, ": span, length (B, T) and positions (B, S) must match query's B and T");
+  LocalnessForward f;
+  f.u = window_given ? u_p : at::cat({u_p, *u_d});
+  TORCH_CHECK(f.u.size(1) == dim && f.u.size(0) == (window_given ? heads : 2 * heads), op,
+              ": U_d must be shaped like U_p");
+  at::Tensor window_c;
+  if (window_given) {
+    TORCH_CHECK(window->numel() == heads && window->scalar_type() == query.scalar_type(), op,
+                ": the windows must be (H,) of query's dtype");
+    window_c = window->contiguous();
+  }
+  at::Tensor logits_c;
+  if (logits.has_value() && logits->defined()) {
+    TORCH_CHECK(logits->sizes() == at::IntArrayRef({bsz, heads, tgt_len, src_len}) &&
+                    logits->scalar_type() == query.scalar_type(),
+                op, ": logits must be (B, H, T, S) of query's dtype");
+    logits_c = logits->contiguous();
+  }
+  f.query2d = query.reshape({bsz * tgt_len, dim});
+  f.hidden = at::mm(f.query2d, w_p.t()).tanh_();
+  f.scores = at::mm(f.hidden, f.u.t());
+  f.centre = at::empty({bsz, heads, tgt_len}, query.options());
+  f.window = at::empty_like(f.centre);
+  f.out = at::empty({bsz, heads, tgt_len, src_len}, query.options());
+  const at::Tensor positions_c = positions.contiguous();
+  const LocalnessGeometry g{bsz,         heads,        tgt_len,      src_len,
+                            f.u.size(0), window_given, window_offset, min_window};
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "gaussian_localness_cpu", [&] {
+    localness_forward_rows<scalar_t>(
+        g, f.scores.data_ptr<scalar_t>(), per_query<scalar_t>(span), per_query<scalar_t>(length),
+        window_given ? window_c.data_ptr<scalar_t>() : nullptr, positions_c.data_ptr<scalar_t>(),
+        logits_c.defined() ? logits_c.data_ptr<scalar_t>() : nullptr,
+        f.centre.data_ptr<scalar_t>(), f.window.data_ptr<scalar_t>(), f.out.data_ptr<scalar_t>());
+  });
+  return f;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_localness_cpu(
+    const at::Tensor& query, const at::Tensor& w_p, const at::Tensor& u_p,
+    const c10::optional<at::Tensor>& u_d, const at::Tensor& span, const at::Tensor& length,
+    const at::Tensor& positions, const c10::optional<at::Tensor>& window,
+    const c10::optional<at::Tensor>& logits, double window_offset, double min_window) {
+  LocalnessForward f = localness_forward(query, w_p, u_p, u_d, span, length, positions, window,
+                                         logits, window_offset, min_window);
+  return {f.out, f.centre, f.window};
+}
+
+class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocalnessFunction> {
+ public:
+  // argument positions, for the gradients
+  enum { kQuery, kWp, kUp, kUd, kSpan, kLength, kPositions, kWindow, kLogits, kArgs = 11 };
+
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
+                               const at::Tensor& w_p, const at::Tensor& u_p,
+                               const c10::optional<at::Tensor>& u_d, const at::Tensor& span,
+                               const at::Tensor& length, const at::Tensor& positions,
+                               const c10::optional<at::Tensor>& window,
+                               const c10::optional<at::Tensor>& logits, double window_offset,
+                               double min_window) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    LocalnessForward f = localness_forward(query, w_p, u_p, u_d, span, length, positions,
+                                           window, logits, window_offset, min_window);
+    ctx->save_for_backward(
+        {f.query2d, w_p, f.u, span, length, positions, f.hidden, f.scores, f.centre, f.window});
+    ctx->saved_data["shape"] = query.sizes().vec();
+    ctx->saved_data["window_given"] = window.has_value() && window->defined();
+    ctx->saved_data["logits_given"] = logits.has_value() && logits->defined();
+    ctx->saved_data["min_window"] = min_window;
+    ctx->mark_non_differentiable({f.centre, f.window});
+    ctx->set_materialize_grads(false);  // P and D have none
+    return {f.out, f.centre, f.window};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(kArgs);
+    if (!grads[0].defined()) return result;
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &query2d = saved[0], &w_p = saved[1], &u = saved[2], &span = saved[3],
+                     &length = saved[4], &positions = saved[5], &hidden = saved[6],
+                     &scores = saved[7], &centre = saved[8], &window = saved[9];
+    const bool window_given = ctx->saved_data["window_given"].toBool();
+    const at::Tensor grad = grads[0].contiguous();
+    const int64_t heads = centre.size(1);
+    const LocalnessGeometry g{centre.size(0),      heads,        centre.size(2),
+                              positions.size(1),   u.size(0),    window_given,
+                              0.0, ctx->saved_data["min_window"].toDouble()};
+    at::Tensor grad_scores = at::empty_like(scores);
+    at::Tensor grad_window_rows = window_given ? at::empty_like(centre) : at::Tensor();
+    const at::Tensor positions_c = positions.contiguous();
+    AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "gaussian_localness_backward_cpu", [&] {
+      localness_backward_rows<scalar_t>(
+          g, grad.data_ptr<scalar_t>(), scores.data_ptr<scalar_t>(),
+          per_query<scalar_t>(span), per_query<scalar_t>(length),
+          positions_c.data_ptr<scalar_t>(), centre.data_ptr<scalar_t>(),
+          window.data_ptr<scalar_t>(), grad_scores.data_ptr<scalar_t>(),
+          window_given ? grad_window_rows.data_ptr<scalar_t>() : nullptr);
+    });
+    const at::Tensor grad_u = at::mm(grad_scores.t(), hidden);
+    result[kUp] = grad_u.narrow(0, 0, heads);
+    if (window_given) {
+      result[kWindow] = grad_window_rows.sum(at::IntArrayRef{0, 2});
+    } else {
+      result[kUd] = grad_u.narrow(0, heads, heads);
+    }
+    // back through hidden = tanh(pre)
+    at::Tensor grad_pre = at::mm(grad_scores, u).mul_(1 - hidden * hidden);
+    result[kWp] = at::mm(grad_pre.t(), query2d);
+    result[kQuery] = at::mm(grad_pre, w_p).view(ctx->saved_data["shape"].toIntVector());
+    if (ctx->saved_data["logits_given"].toBool()) result[kLogits] = grad;  // weight 1
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_localness_autograd(
+    const at::Tensor& query, const at::Tensor& w_p, const at::Tensor& u_p,
+    const c10::optional<at::Tensor>& u_d, const at::Tensor& span, const at::Tensor& length,
+    const at::Tensor& positions, const c10::optional<at::Tensor>& window,
+    const c10::optional<at::Tensor>& logits, double window_offset, double min_window) {
+  variable_list outputs = GaussianLocalnessFunction::apply(
+      query, w_p, u_p, u_d, span, length, positions, window, logits, window_offset, min_window);
+  return {outputs[0], outputs[1], outputs[2]};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dynamic window mask (Nguyen et al. 2020, Eqs. 7-11): the pointers
+//   phi = softmax over the visible keys of (query W^Q / sqrt(d_h)) . keys
+// for the left boundaries (heads 0..H-1) and the right ones (H..2H-1), and the mask
+//   M[j] = P(l <= end_j) P(r >= start_j) + P(r <= end_j) P(l >= start_j),
+// with start_j = end_j = j for token windows and the bounds of j's segment otherwise; 0 on padded
+// keys. Queries with no visible key get zero pointers. Sums of probabilities accumulate in
+// double, as PyTorch's CPU cumsum does.
+
+struct Visibility {
+  const bool* data = nullptr;  // nullptr: every key visible
+  int64_t batch_stride = 0, query_stride = 0, key_stride = 0;
+
+  bool operator()(int64_t b, int64_t t, int64_t j) const {
+    return data == nullptr || data[b * batch_stride + t * query_stride + j * key_stride];
+  }
+};
+
+struct WindowGeometry {
+  int64_t bsz, heads, tgt_len, src_len;
+  const bool* real;  // (B, S) or nullptr
+  const int64_t* segment_start;  // (B, S) or nullptr (token windows)
+  const int64_t* segment_end;
+};
+
+// The softmax of each pointer row of scale * logits over its visible keys (zeros for a row
+// without any).
+template <typename scalar_t>
+void pointer_softmax_rows(const scalar_t* logits, scalar_t scale, scalar_t* phi,
+                          const Visibility& visible, const WindowGeometry& g) {
+  const int64_t rows = g.bsz * 2 * g.heads * g.tgt_len;
+  for_rows(rows, g.src_len, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (2 * g.heads * g.tgt_len), t = row % g.tgt_len;
+      const scalar_t* l = logits + row * g.src_len;
+      scalar_t* p = phi + row * g.src_len;
+      scalar_t top = -std::numeric_limits<scalar_t>::infinity();
+      for (int64_t j = 0; j < g.src_len; ++j) {
+        if (visible(b, t, j)) top = std::max(top, l[j] * scale);
+      }
+      if (top == -std::numeric_limits<scalar_t>::infinity()) {  // no visible key
+        std::fill(p, p + g.src_len, scalar_t(0));
+        continue;
+      }
+      scalar_t total = 0;
+      for (int64_t j = 0; j < g.src_len; ++j) {
+        p[j] = visible(b, t, j) ? std::exp(l[j] * scale - top) : scalar_t(0);
+        total += p[j];
+      }
+      const scalar_t inverse = scalar_t(1) / total;
+      for (int64_t j = 0; j < g.src_len; ++j) p[j] *= inverse;
+    }
+  });
+}
+
+// P(pointer <= j) and P(pointer >= j) of one row, each rounded to scalar_t as a stored
+// cumulative sum is.
+template <typename scalar_t>
+void boundary_sums(const scalar_t* phi, int64_t n, scalar_t* at_most, scalar_t* at_least) {
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) at_most[j] = static_cast<scalar_t>(sum += phi[j]);
+  sum = 0;
+  for (int64_t j = n - 1; j >= 0; --j) at_least[j] = static_cast<scalar_t>(sum += phi[j]);
+}
+
+template <typename scalar_t>
+void window_mask_rows(const scalar_t* phi, scalar_t* mask, const WindowGeometry& g) {
+  const int64_t rows = g.bsz * g.heads * g.tgt_len, n = g.src_len;
+  for_rows(rows, n, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> sums(4 * n);
+    scalar_t *l_most = sums.data(), *l_least = l_most + n, *r_most = l_least + n,
+             *r_least = r_most + n;
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (g.heads * g.tgt_len), h = (row / g.tgt_len) % g.heads,
+                    t = row % g.tgt_len;
+      const scalar_t* left = phi + ((b * 2 * g.heads + h) * g.tgt_len + t) * n;
+      const scalar_t* right = left + g.heads * g.tgt_len * n;
+      boundary_sums(left, n, l_most, l_least);
+      boundary_sums(right, n, r_most, r_least);
+      scalar_t* m = mask + row * n;
+      for (int64_t j = 0; j < n; ++j) {
+        if (g.real && !g.real[b * n + j]) {
+          m[j] = 0;
+          continue;
+        }
+        const int64_t e = g.segment_end ? g.segment_end[b * n + j] : j;
+        const int64_t s = g.segment_start ? g.segment_start[b * n + j] : j;
+        m[j] = l_most[e] * r_least[s] + r_most[e] * l_least[s];
+      }
+    }
+  });
+}
+
+// The gradient of the unscaled pointer logits from that of the mask: back through the products,
+// the (segment-gathered) cumulative sums and the softmax of scale * logits.
+template <typename scalar_t>
+void window_mask_backward_rows(const scalar_t* grad_mask, const scalar_t* phi, double scale,
+                               scalar_t* grad_logits, const WindowGeometry& g) {
+  const int64_t rows = g.bsz * g.heads * g.tgt_len, n = g.src_len;
+  for_rows(rows, n, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> sums(4 * n);
+    std::vector<double> grads(4 * n);
+    scalar_t *l_most = sums.data(), *l_least = l_most + n, *r_most = l_least + n,
+             *r_least = r_most + n;
+    double *gl_most = grads.data(), *gl_least = gl_most + n, *gr_most = gl_least + n,
+           *gr_least = gr_most + n;
+    std::vector<double> grad_phi(n);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (g.heads * g.tgt_len), h = (row / g.tgt_len) % g.heads,
+                    t = row % g.tgt_len;
+      const int64_t left_offset = ((b * 2 * g.heads + h) * g.tgt_len + t) * n;
+      const int64_t right_offset = left_offset + g.heads * g.tgt_len * n;
+      boundary_sums(phi + left_offset, n, l_most, l_least);
+      boundary_sums(phi + right_offset, n, r_most, r_least);
+      std::fill(grads.begin(), grads.end(), 0.0);
+      const scalar_t* gm = grad_mask + row * n;
+      for (int64_t j = 0; j < n; ++j) {
+        if (g.real && !g.real[b * n + j]) continue;  // the mask is 0 there whatever phi is
+        const int64_t e = g.segment_end ? g.segment_end[b * n + j] : j;
+        const int64_t s = g.segment_start ? g.segment_start[b * n + j] : j;
+        gl_most[e] += double(gm[j]) * r_least[s];
+        gr_least[s] += double(gm[j]) * l_most[e];
+        gr_most[e] += double(gm[j]) * l_least[s];
+        gl_least[s] += double(gm[j]) * r_most[e];
+      }
+      // d at_most[e] / d phi[i] = [i <= e], d at_least[s] / d phi[i] = [i >= s]; then the
+      // softmax: d logit_i = phi_i (d phi_i - sum_k phi_k d phi_k).
+      for (int side = 0; side < 2; ++side) {
+        const double* most = side == 0 ? gl_most : gr_most;
+        const double* least = side == 0 ? gl_least : gr_least;
+        const int64_t offset = side == 0 ? left_offset : right_offset;
+        const scalar_t* p = phi + offset;
+        scalar_t* out = grad_logits + offset;
+        double suffix = 0;
+        for (int64_t i = n - 1; i >= 0; --i) grad_phi[i] = (suffix += most[i]);
+        double prefix = 0, dot = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          grad_phi[i] += (prefix += least[i]);
+          dot += grad_phi[i] * p[i];
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          out[i] = static_cast<scalar_t>(scale * p[i] * (grad_phi[i] - dot));
+        }
+      }
+    }
+  });
+}
+
+struct WindowInputs {
+  Visibility visible;
+  WindowGeometry geometry;
+  at::Tensor visible_mask, real, segment_start, segment_end;  // kept alive for the pointers
+};
+
+WindowInputs window_inputs(const at::Tensor& query, const at::Tensor& keys,
+                           const c10::optional<at::Tensor>& visible,
+                           const c10::optional<at::Tensor>& real,
+                           const c10::optional<at::Tensor>& segment_start,
+                           const c10::optional<at::Tensor>& segment_end) {
+  WindowInputs in;
+  const int64_t bsz = query.size(0), tgt_len = query.size(1), src_len = keys.size(2);
+  TORCH_CHECK(keys.size(1) % 2 == 0, "local_attn::dynamic_window_mask: keys hold 2 * heads");
+  in.geometry = {bsz, keys.size(1) / 2, tgt_len, src_len, nullptr, nullptr, nullptr};
+  if (visible.has_value() && visible->defined()) {
+    TORCH_CHECK(visible->scalar_type() == at::kBool && visible->dim() == 4,
+                "local_attn::dynamic_window_mask: visible must be bool (B, 1, T or 1, S)");
+    in.visible_mask = visible->expand({bsz, 1, tgt_len, src_len});
+    in.visible = {in.visible_mask.data_ptr<bool>(), in.visible_mask.stride(0),
+                  in.visible_mask.stride(2), in.visible_mask.stride(3)};
+  }
+  if (real.has_value() && real->defined()) {
+    TORCH_CHECK(real->scalar_type() == at::kBool &&
+                    real->sizes() == at::IntArrayRef({bsz, src_len}),
+                "local_attn::dynamic_window_mask: real must be bool (B, S)");
+    in.real = real->contiguous();
+    in.geometry.real = in.real.data_ptr<bool>();
+  }
+  const bool segments = segment_start.has_value() && segment_start->defined();
+  TORCH_CHECK(segments == (segment_end.has_value() && segment_end->defined()),
+              "local_attn::dynamic_window_mask: give both segment bounds or neither");
+  if (segments) {
+    for (const at::Tensor* bound : {&*segment_start, &*segment_end}) {
+      TORCH_CHECK(bound->scalar_type() == at::kLong &&
+                      bound->sizes() == at::IntArrayRef({bsz, src_len}),
+                  "local_attn::dynamic_window_mask: segment bounds must be int64 (B, S)");
+      TORCH_CHECK(bound->min().item<int64_t>() >= 0 && bound->max().item<int64_t>() < src_len,
+                  "local_attn::dynamic_window_mask: segment bounds out of range");
+    }
+    in.segment_start = segment_start->contiguous();
+    in.segment_end = segment_end->contiguous();
+    in.geometry.segment_start = in.segment_start.data_ptr<int64_t>();
+    in.geometry.segment_end = in.segment_end.data_ptr<int64_t>();
+  }
+  return in;
+}
+
+struct WindowForward {
+  at::Tensor mask, phi, query2d, q_heads, keys;  // q_heads, keys: (B 2H, len, d_h), unscaled
+};
+
+WindowForward window_forward(const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
+                             const WindowInputs& in) {
+  const char* op = "local_attn::dynamic_window_mask";
+  const NamedTensor inputs[] = {{&query, "query"}, {&w_q, "w_q"}, {&keys, "keys"}};
+  check_cpu_floats(inputs, op);
+  const WindowGeometry& g = in.geometry;
+  const int64_t head_dim = keys.size(3), dim = query.size(2);
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && keys.size(0) == g.bsz &&
+                  w_q.size(0) == 2 * g.heads * head_dim && w_q.size(1) == dim,
+              op, ": expected query (B, T, d), w_q (2 H d_h, d) and keys (B, 2H, S, d_h)");
+  WindowForward f;
+  f.query2d = query.reshape({g.bsz * g.tgt_len, dim});
+  f.q_heads = at::mm(f.query2d, w_q.t())
+                  .view({g.bsz, g.tgt_len, 2 * g.heads, head_dim})
+                  .transpose(1, 2)
+                  .reshape({g.bsz * 2 * g.heads, g.tgt_len, head_dim});
+  f.keys = keys.reshape({g.bsz * 2 * g.heads, g.src_len, head_dim});
+  const at::Tensor logits = at::bmm(f.q_heads, f.keys.transpose(1, 2));
+  f.phi = at::empty({g.bsz, 2 * g.heads, g.tgt_len, g.src_len}, query.options());
+  f.mask = at::empty({g.bsz, g.heads, g.tgt_len, g.src_len}, query.options());
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "dynamic_window_mask_cpu", [&] {
+    pointer_softmax_rows<scalar_t>(logits.data_ptr<scalar_t>(),
+                                   static_cast<scalar_t>(1.0 / std::sqrt(double(head_dim))),
+                                   f.phi.data_ptr<scalar_t>(), in.visible, g);
+    window_mask_rows<scalar_t>(f.phi.data_ptr<scalar_t>(), f.mask.data_ptr<scalar_t>(), g);
+  });
+  return f;
+}
+
+std::tuple<at::Tensor, at::Tensor> dynamic_window_mask_cpu(
+    const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
+    const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
+    const c10::optional<at::Tensor>& segment_start,
+    const c10::optional<at::Tensor>& segment_end) {
+  const WindowInputs in = window_inputs(query, keys, visible, real, segment_start, segment_end);
+  WindowForward f = window_forward(query, w_q, keys, in);
+  return {f.mask, f.phi};
+}
+
+class DynamicWindowFunction : public torch::autograd::Function<DynamicWindowFunction> {
+ public:
+  enum { kQuery, kWq, kKeys, kArgs = 7 };  // argument positions, for the gradients
+
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
+                               const at::Tensor& w_q, const at::Tensor& keys,
+                               const c10::optional<at::Tensor>& visible,
+                               const c10::optional<at::Tensor>& real,
+                               const c10::optional<at::Tensor>& segment_start,
+                               const c10::optional<at::Tensor>& segment_end) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const WindowInputs in =
+        window_inputs(query, keys, visible, real, segment_start, segment_end);
+    WindowForward f = window_forward(query, w_q, keys, in);
+    ctx->save_for_backward(
+        {f.query2d, w_q, f.keys, f.q_heads, f.phi, in.real, in.segment_start, in.segment_end});
+    ctx->saved_data["query_shape"] = query.sizes().vec();
+    ctx->saved_data["keys_shape"] = keys.sizes().vec();
+    ctx->mark_non_differentiable({f.phi});
+    ctx->set_materialize_grads(false);  // the pointers have none
+    return {f.mask, f.phi};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(kArgs);
+    if (!grads[0].defined()) return result;
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &query2d = saved[0], &w_q = saved[1], &keys = saved[2],
+                     &q_heads = saved[3], &phi = saved[4], &real = saved[5],
+                     &segment_start = saved[6], &segment_end = saved[7];
+    const at::Tensor grad_mask = grads[0].contiguous();
+    const int64_t bsz = phi.size(0), heads = phi.size(1) / 2, tgt_len = phi.size(2),
+                  src_len = phi.size(3), head_dim = keys.size(2);
+    const WindowGeometry g{
+        bsz,
+        heads,
+        tgt_len,
+        src_len,
+        real.defined() ? real.data_ptr<bool>() : nullptr,
+        segment_start.defined() ? segment_start.data_ptr<int64_t>() : nullptr,
+        segment_end.defined() ? segment_end.data_ptr<int64_t>() : nullptr};
+    at::Tensor grad_logits = at::empty({bsz * 2 * heads, tgt_len, src_len}, phi.options());
+    AT_DISPATCH_FLOATING_TYPES(phi.scalar_type(), "dynamic_window_mask_backward_cpu", [&] {
+      window_mask_backward_rows<scalar_t>(grad_mask.data_ptr<scalar_t>(),
+                                          phi.data_ptr<scalar_t>(),
+                                          1.0 / std::sqrt(double(head_dim)),
+                                          grad_logits.data_ptr<scalar_t>(), g);
+    });
+    result[kKeys] = at::bmm(grad_logits.transpose(1, 2), q_heads)
+                        .view(ctx->saved_data["keys_shape"].toIntVector());
+    const at::Tensor grad_q = at::bmm(grad_logits, keys)
+                                  .view({bsz, 2 * heads, tgt_len, head_dim})
+                                  .transpose(1, 2)
+                                  .reshape({bsz * tgt_len, 2 * heads * head_dim});
+    result[kWq] = at::mm(grad_q.t(), query2d);
+    result[kQuery] = at::mm(grad_q, w_q).view(ctx->saved_data["query_shape"].toIntVector());
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> dynamic_window_mask_autograd(
+    const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
+    const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
+    const c10::optional<at::Tensor>& segment_start,
+    const c10::optional<at::Tensor>& segment_end) {
+  variable_list outputs = DynamicWindowFunction::apply(query, w_q, keys, visible, real,
+                                                       segment_start, segment_end);
+  return {outputs[0], outputs[1]};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dense attention with the mechanisms' terms (steps 2-6 of the module's order of operations):
+//   P = softmax(scale q k^T + bias + attn_mask, padded keys excluded)   (rows without a key: 0)
+//   out = (P * multiplier * dropout_keep / (1 - dropout_p)) v
+// bias: Gaussian localness or the additive window's local scores; multiplier: the
+// multiplicative window. Products by ATen's bmm; the softmax and its backward one loop a row.
+
+struct DenseGeometry {
+  int64_t bsz, heads, tgt_len, src_len;
+};
+
+struct DenseTerms {
+  at::Tensor bias, multiplier, attn_mask, key_padding_mask, keep;  // each optional
+  double scale, dropout_p;
+};
+
+// The rows' softmax P, and the weights that multiply v.
+template <typename scalar_t>
+void dense_forward_rows(const DenseGeometry& g, const DenseTerms& terms, const scalar_t* logits,
+                        scalar_t* probs, scalar_t* weights) {
+  const scalar_t* bias = terms.bias.defined() ? terms.bias.data_ptr<scalar_t>() : nullptr;
+  const scalar_t* mult =
+      terms.multiplier.defined() ? terms.multiplier.data_ptr<scalar_t>() : nullptr;
+  const scalar_t* attn_mask =
+      terms.attn_mask.defined() ? terms.attn_mask.data_ptr<scalar_t>() : nullptr;
+  const bool* padding =
+      terms.key_padding_mask.defined() ? terms.key_padding_mask.data_ptr<bool>() : nullptr;
+  const bool* keep = terms.keep.defined() ? terms.keep.data_ptr<bool>() : nullptr;
+  const scalar_t scale = static_cast<scalar_t>(terms.scale);
+  const scalar_t keep_scale = static_cast<scalar_t>(1.0 / (1.0 - terms.dropout_p));
+  const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
+  const int64_t n = g.src_len;
+  for_rows(g.bsz * g.heads * g.tgt_len, n, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (g.heads * g.tgt_len), t = row % g.tgt_len;
+      const scalar_t* l = logits + row * n;
+      scalar_t* p = probs + row * n;
+      scalar_t top = minus_inf;
+      for (int64_t j = 0; j < n; ++j) {
+        scalar_t x = l[j] * scale;
+        if (bias) x += bias[row * n + j];
+        if (attn_mask) x += attn_mask[t * n + j];
+        if (padding && padding[b * n + j]) x = minus_inf;
+        p[j] = x;
+        top = std::max(top, x);
+      }
+      scalar_t* w = weights + row * n;
+      if (top == minus_inf) {  // no key: zeros, never NaN
+        std::fill(p, p + n, scalar_t(0));
+        std::fill(w, w + n, scalar_t(0));
+        continue;
+      }
+      scalar_t total = 0;
+      for (int64_t j = 0; j < n; ++j) total += (p[j] = std::exp(p[j] - top));
+      const scalar_t inverse = scalar_t(1) / total;
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] *= inverse;
+        scalar_t x = mult ? p[j] * mult[row * n + j] : p[j];
+        if (keep) x = keep[row * n + j] ? x * keep_scale : scalar_t(0);
+        w[j] = x;
+      }
+    }
+  });
+}
+
+// From d weights (in grad, overwritten with d logits before the scale): d bias = d logits,
+// d multiplier (when there is one).
+template <typename scalar_t>
+void dense_backward_rows(const DenseGeometry& g, const DenseTerms& terms, const scalar_t* probs,
+                         scalar_t* grad, scalar_t* grad_multiplier) {
+  const scalar_t* mult =
+      terms.multiplier.defined() ? terms.multiplier.data_ptr<scalar_t>() : nullptr;
+  const bool* keep = terms.keep.defined() ? terms.keep.data_ptr<bool>() : nullptr;
+  const scalar_t keep_scale = static_cast<scalar_t>(1.0 / (1.0 - terms.dropout_p));
+  const int64_t n = g.src_len;
+  for_rows(g.bsz * g.heads * g.tgt_len, n, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* p = probs + row * n;
+      scalar_t* gr = grad + row * n;
+      double dot = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        scalar_t x = gr[j];  // d (P * multiplier), after the dropout's scaling
+        if (keep) x = keep[row * n + j] ? x * keep_scale : scalar_t(0);
+        if (mult) {
+          grad_multiplier[row * n + j] = x * p[j];
+          x *= mult[row * n + j];
+        }
+        gr[j] = x;  // d P
+        dot += double(x) * p[j];
+      }
+      for (int64_t j = 0; j < n; ++j) gr[j] = p[j] * (gr[j] - static_cast<scalar_t>(dot));
+    }
+  });
+}
+
+DenseTerms dense_terms(const DenseGeometry& g, const at::Tensor& q,
+                       const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& multiplier,
+                       const c10::optional<at::Tensor>& attn_mask,
+                       const c10::optional<at::Tensor>& key_padding_mask,
+                       const c10::optional<at::Tensor>& dropout_keep, double scale,
+                       double dropout_p) {
+  const char* op = "local_attn::dense_attention";
+  const std::vector<int64_t> full_sizes{g.bsz, g.heads, g.tgt_len, g.src_len};
+  const at::IntArrayRef full(full_sizes);
+  DenseTerms terms{{}, {}, {}, {}, {}, scale, dropout_p};
+  auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  if (given(bias)) {
+    TORCH_CHECK(bias->sizes() == full && bias->scalar_type() == q.scalar_type(), op,
+                ": bias must be (B, H, T, S) of q's dtype");
+    terms.bias = bias->contiguous();
+  }
+  if (given(multiplier)) {
+    TORCH_CHECK(multiplier->sizes() == full && multiplier->scalar_type() == q.scalar_type(), op,
+                ": multiplier must be (B, H, T, S) of q's dtype");
+    terms.multiplier = multiplier->contiguous();
+  }
+  if (given(attn_mask)) {
+    TORCH_CHECK(attn_mask->sizes() == at::IntArrayRef({g.tgt_len, g.src_len}) &&
+                    attn_mask->scalar_type() == q.scalar_type(),
+                op, ": attn_mask must be (T, S) of q's dtype");
+    terms.attn_mask = attn_mask->contiguous();
+  }
+  if (given(key_padding_mask)) {
+    TORCH_CHECK(key_padding_mask->sizes() == at::IntArrayRef({g.bsz, g.src_len}) &&
+                    key_padding_mask->scalar_type() == at::kBool,
+                op, ": key_padding_mask must be bool (B, S)");
+    terms.key_padding_mask = key_padding_mask->contiguous();
+  }
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1)");
+  if (given(dropout_keep)) {
+    TORCH_CHECK(dropout_keep->sizes() == full && dropout_keep->scalar_type() == at::kBool, op,
+                ": dropout_keep must be bool (B, H, T, S)");
+    terms.keep = dropout_keep->contiguous();
+  } else {
+    TORCH_CHECK(dropout_p == 0.0, op, ": dropout_p > 0 needs its dropout_keep mask");
+  }
+  return terms;
+}
+
+struct DenseForward {
+  at::Tensor out, q, k, v, probs;  // q, k, v as (B H, len, D)
+  DenseTerms terms;
+  DenseGeometry geometry;
+};
+
+DenseForward dense_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const c10::optional<at::Tensor>& bias,
+                           const c10::optional<at::Tensor>& multiplier,
+                           const c10::optional<at::Tensor>& attn_mask,
+                           const c10::optional<at::Tensor>& key_padding_mask,
+                           const c10::optional<at::Tensor>& dropout_keep, double scale,
+                           double dropout_p) {
+  const char* op = "local_attn::dense_attention";
+  const NamedTensor inputs[] = {{&q, "q"}, {&k, "k"}, {&v, "v"}};
+  check_cpu_floats(inputs, op);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() &&
+                  q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              op, ": expected q (B, H, T, D) and k, v (B, H, S, D)");
+  DenseForward f;
+  f.geometry = {q.size(0), q.size(1), q.size(2), k.size(2)};
+  const DenseGeometry& g = f.geometry;
+  f.terms = dense_terms(g, q, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
+                        dropout_p);
+  const int64_t dim = q.size(3);
+  f.q = q.reshape({g.bsz * g.heads, g.tgt_len, dim});
+  f.k = k.reshape({g.bsz * g.heads, g.src_len, dim});
+  f.v = v.reshape({g.bsz * g.heads, g.src_len, dim});
+  const at::Tensor logits = at::bmm(f.q, f.k.transpose(1, 2));
+  f.probs = at::empty_like(logits);
+  at::Tensor weights = at::empty_like(logits);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dense_attention_cpu", [&] {
+    dense_forward_rows<scalar_t>(g, f.terms, logits.data_ptr<scalar_t>(),
+                                 f.probs.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>());
+  });
+  f.out = at::bmm(weights, f.v).view({g.bsz, g.heads, g.tgt_len, dim});
+  return f;
+}
+
+at::Tensor dense_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const c10::optional<at::Tensor>& bias,
+                               const c10::optional<at::Tensor>& multiplier,
+                               const c10::optional<at::Tensor>& attn_mask,
+                               const c10::optional<at::Tensor>& key_padding_mask,
+                               const c10::optional<at::Tensor>& dropout_keep, double scale,
+                               double dropout_p) {
+  return dense_forward(q, k, v, bias, multiplier, attn_mask, key_padding_mask, dropout_keep,
+                       scale, dropout_p)
+      .out;
+}
+
+class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFunction> {
+ public:
+  enum { kQ, kK, kV, kBias, kMultiplier, kArgs = 10 };  // argument positions, for the gradients
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const c10::optional<at::Tensor>& bias,
+                            const c10::optional<at::Tensor>& multiplier,
+                            const c10::optional<at::Tensor>& attn_mask,
+                            const c10::optional<at::Tensor>& key_padding_mask,
+                            const c10::optional<at::Tensor>& dropout_keep, double scale,
+                            double dropout_p) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    DenseForward f = dense_forward(q, k, v, bias, multiplier, attn_mask, key_padding_mask,
+                                   dropout_keep, scale, dropout_p);
+    ctx->save_for_backward({f.q, f.k, f.v, f.probs, f.terms.multiplier, f.terms.keep});
+    ctx->saved_data["bias"] = f.terms.bias.defined();
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    return f.out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &probs = saved[3];
+    DenseTerms terms{{}, saved[4], {}, {}, saved[5], ctx->saved_data["scale"].toDouble(),
+                     ctx->saved_data["dropout_p"].toDouble()};
+    const DenseGeometry g{grads[0].size(0), grads[0].size(1), q.size(1), k.size(1)};
+    const at::Tensor grad_out = grads[0].reshape({g.bsz * g.heads, g.tgt_len, q.size(2)});
+    // the weights that multiplied v, rebuilt from P
+    at::Tensor weights = probs;
+    if (terms.multiplier.defined()) weights = weights * terms.multiplier.view_as(probs);
+    if (terms.keep.defined()) {
+      weights = weights * terms.keep.view_as(probs) / (1.0 - terms.dropout_p);
+    }
+    variable_list result(kArgs);
+    result[kV] = at::bmm(weights.transpose(1, 2), grad_out)
+                     .view({g.bsz, g.heads, g.src_len, q.size(2)});
+    at::Tensor grad = at::bmm(grad_out, v.transpose(1, 2));
+    at::Tensor grad_multiplier =
+        terms.multiplier.defined() ? at::empty_like(grad) : at::Tensor();
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dense_attention_backward_cpu", [&] {
+      dense_backward_rows<scalar_t>(
+          g, terms, probs.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(),
+          grad_multiplier.defined() ? grad_multiplier.data_ptr<scalar_t>() : nullptr);
+    });
+    const double scale = terms.scale;
+    result[kQ] = at::bmm(grad, k).mul_(scale).view({g.bsz, g.heads, g.tgt_len, q.size(2)});
+    result[kK] = at::bmm(grad.transpose(1, 2), q).mul_(scale).view(
+        {g.bsz, g.heads, g.src_len, q.size(2)});
+    if (ctx->saved_data["bias"].toBool()) {
+      result[kBias] = grad.view({g.bsz, g.heads, g.tgt_len, g.src_len});
+    }
+    if (grad_multiplier.defined()) {
+      result[kMultiplier] = grad_multiplier.view({g.bsz, g.heads, g.tgt_len, g.src_len});
+    }
+    return result;
+  }
+};
+
+at::Tensor dense_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const c10::optional<at::Tensor>& bias,
+                                    const c10::optional<at::Tensor>& multiplier,
+                                    const c10::optional<at::Tensor>& attn_mask,
+                                    const c10::optional<at::Tensor>& key_padding_mask,
+                                    const c10::optional<at::Tensor>& dropout_keep, double scale,
+                                    double dropout_p) {
+  return DenseAttentionFunction::apply(q, k, v, bias, multiplier, attn_mask, key_padding_mask,
+                                       dropout_keep, scale, dropout_p);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(local_attn, m) {
+  m.def(
+      "gaussian_localness(Tensor query, Tensor w_p, Tensor u_p, Tensor? u_d, Tensor span, "
+      "Tensor length, Tensor positions, Tensor? window, Tensor? logits, float window_offset, "
+      "float min_window) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "dynamic_window_mask(Tensor query, Tensor w_q, Tensor keys, Tensor? visible, "
+      "Tensor? real, Tensor? segment_start, Tensor? segment_end) -> (Tensor, Tensor)");
+  m.def(
+      "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? multiplier, "
+      "Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
+      "float dropout_p) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
+  m.impl("gaussian_localness", &gaussian_localness_cpu);
+  m.impl("dynamic_window_mask", &dynamic_window_mask_cpu);
+  m.impl("dense_attention", &dense_attention_cpu);
+}
+
+TORCH_LIBRARY_IMPL(local_attn, Autograd, m) {
+  m.impl("gaussian_localness", &gaussian_localness_autograd);
+  m.impl("dynamic_window_mask", &dynamic_window_mask_autograd);
+  m.impl("dense_attention", &dense_attention_autograd);
+}
+
+}  // namespace local_attn

@@ -1,0 +1,121 @@
+"""C++ operators of the per-head mechanisms on the CPU: Gaussian localness, dynamic windows,
+and the dense attention that takes their terms.
+
+At the lengths where translation trains, Yang et al.'s Gaussian bias and Nguyen et al.'s
+window masks are dozens of small PyTorch operations a call, each with its autograd node, and
+cost more than the attention they modify. Three operators of the banded attention's extension
+(csrc/mechanisms_cpu.cpp) compute them in one call forward and one backward each:
+``gaussian_localness`` (the bias), ``dynamic_window_mask`` (the pointers and the mask M) and
+``dense_attention`` (softmax of the logits plus an additive term, times a multiplier, dropout,
+times v). ``locality/gaussian.py``, ``locality/dynamic_window.py`` and
+``LocalMultiheadAttention`` define the computations and call these operators when
+:func:`cpu_operators_apply`; everywhere else (GPUs, half precision, an unbuilt extension,
+``torch.compile``) they compute them in PyTorch, with the same results.
+
+``LOCAL_ATTN_MECHANISM_IMPL=torch`` keeps every call in PyTorch (``auto``, the default, uses
+the operators where they apply).
+"""
+
+import os
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .banded_attention import _op_defined, load_extension
+
+IMPL_ENV = "LOCAL_ATTN_MECHANISM_IMPL"
+IMPLS = ("auto", "torch")
+
+
+class _OperatorState:
+    available: Optional[bool] = None  # whether the extension has them (asked once)
+
+
+def _operators_built() -> bool:
+    if _OperatorState.available is None:
+        _OperatorState.available = load_extension() is not None and _op_defined(
+            "dynamic_window_mask"
+        )
+    return _OperatorState.available
+
+
+def _chosen_impl() -> str:
+    choice = os.environ.get(IMPL_ENV, "auto") or "auto"
+    if choice not in IMPLS:
+        raise ValueError(f"{IMPL_ENV}={choice!r}: use one of {', '.join(IMPLS)}")
+    return choice
+
+
+def cpu_operators_apply(*tensors: Tensor) -> bool:
+    """Whether a call on these tensors goes through the C++ operators: every tensor float32 on
+    the CPU, the extension built with them, no ``torch.compile`` tracing, and not switched off
+    by ``LOCAL_ATTN_MECHANISM_IMPL=torch``."""
+    if _chosen_impl() == "torch" or torch.compiler.is_compiling():
+        return False
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    return _operators_built()
+
+
+def gaussian_localness(
+    query: Tensor,
+    w_p: Tensor,
+    u_p: Tensor,
+    u_d: Optional[Tensor],
+    span: Tensor,
+    length: Tensor,
+    positions: Tensor,
+    window: Optional[Tensor],
+    logits: Optional[Tensor],
+    window_offset: float,
+    min_window: float,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``logits + G`` (or G alone when logits is None), the centres P and the windows D
+    (locality/gaussian.py's definitions). query (B, T, d); the windows come from U_d (the
+    query strategy) or are given, ``window`` (H,), never both; span, length (B, T); positions
+    (B, S). P and D come back detached."""
+    return torch.ops.local_attn.gaussian_localness(
+        query, w_p, u_p, u_d, span, length, positions, window, logits, window_offset, min_window
+    )
+
+
+def dynamic_window_mask(
+    query: Tensor,
+    w_q: Tensor,
+    keys: Tensor,
+    visible: Optional[Tensor],
+    real: Optional[Tensor],
+    segment_bounds: Optional[Tuple[Tensor, Tensor]],
+) -> Tuple[Tensor, Tensor]:
+    """The mask M (B, H, T, S) and the pointers phi_l above phi_r (B, 2H, T, S, detached),
+    locality/dynamic_window.py's definitions. query (B, T, d), w_q [W_L^Q; W_R^Q], keys the
+    projected pointer keys (B, 2H, S, d_h); visible: bool, broadcastable to (B, 1, T, S), or
+    None; real (B, S) bool or None; segment_bounds: the first and last key of each key's
+    segment, or None for token windows."""
+    if visible is not None:
+        visible = visible.view(*([1] * (4 - visible.dim())), *visible.shape)
+    start, end = segment_bounds if segment_bounds is not None else (None, None)
+    return torch.ops.local_attn.dynamic_window_mask(query, w_q, keys, visible, real, start, end)
+
+
+def dense_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Optional[Tensor],
+    multiplier: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    dropout_keep: Optional[Tensor],
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
+    """(softmax(scale q k^T + bias + attn_mask, padded keys excluded) * multiplier, dropped out)
+    v, (B, H, T, D): q (B, H, T, D), k and v (B, H, S, D); bias and multiplier (B, H, T, S) or
+    None; attn_mask (T, S) additive; key_padding_mask (B, S) bool, True for padding; dropout_keep
+    (B, H, T, S) bool, kept weights scaled by 1 / (1 - dropout_p). A query without a key gets
+    zeros."""
+    return torch.ops.local_attn.dense_attention(
+        q, k, v, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale, dropout_p
+    )

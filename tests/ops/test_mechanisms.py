@@ -1,0 +1,275 @@
+"""The C++ operators of the per-head mechanisms (ops/mechanisms.py): gradients, the PyTorch
+definitions they replace, and the attention module that uses them."""
+
+import itertools
+
+import pytest
+import torch
+
+from local_attn_fairseq.locality.dynamic_window import DynamicWindow, segment_bounds
+from local_attn_fairseq.locality.gaussian import GaussianLocalness
+from local_attn_fairseq.locality.spec import HeadSpec
+from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
+from local_attn_fairseq.ops import extension_info, mechanisms
+
+from ..modules.helpers import decode_step_by_step
+
+pytestmark = pytest.mark.skipif(
+    not (extension_info()["loaded"] and mechanisms.cpu_operators_apply(torch.zeros(1))),
+    reason="extension not built",
+)
+B, T, S, H, DIM = 2, 4, 5, 2, 6
+
+
+def padding(bsz, src_len, rows=((0, slice(0, 2)),)):
+    mask = torch.zeros(bsz, src_len, dtype=torch.bool)
+    for row, keys in rows:
+        mask[row, keys] = True
+    return mask
+
+
+# -- gradients, float64 --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given_window, logits, causal", itertools.product([False, True], repeat=3))
+def test_gaussian_localness_gradients(given_window, logits, causal):
+    torch.manual_seed(0)
+    tgt = S if causal else T
+    dbl = dict(dtype=torch.float64, requires_grad=True)
+    query = torch.randn(B, tgt, DIM, **dbl)
+    w_p, u_p = torch.randn(DIM, DIM, **dbl), torch.randn(H, DIM, **dbl)
+    u_d = None if given_window else torch.randn(H, DIM, **dbl)
+    window = torch.rand(H, **dbl) * 4 + 0.5 if given_window else None
+    real = (~padding(B, S)).double()
+    positions = real.cumsum(-1) - 1
+    seen = real.cumsum(-1)[:, S - tgt :] if causal else real.sum(-1, keepdim=True).expand(-1, tgt)
+    bias_logits = torch.randn(B, H, tgt, S, **dbl) if logits else None
+
+    def bias(*args):
+        return mechanisms.gaussian_localness(*args, 0.1, 1e-4)[0]
+
+    args = (query, w_p, u_p, u_d, seen - 1, seen, positions, window, bias_logits)
+    assert torch.autograd.gradcheck(bias, args)
+
+
+@pytest.mark.parametrize(
+    "segments, pad, causal",
+    [(None, False, False), (None, True, False), (2, True, False), (None, True, True)],
+)
+def test_dynamic_window_mask_gradients(segments, pad, causal):
+    torch.manual_seed(0)
+    window = DynamicWindow(DIM, DIM, H, 3, segments).double()
+    tgt = S if causal else T
+    query = torch.randn(B, tgt, DIM, dtype=torch.float64, requires_grad=True)
+    keys = window.project_keys(torch.randn(B, S, DIM, dtype=torch.float64)).double().detach()
+    keys.requires_grad_(True)
+    key_padding_mask = padding(B, S) if pad else None
+    visible = window.visible_keys(key_padding_mask, causal, B, tgt, S)
+    real = bounds = None
+    if pad or segments:
+        real = ~padding(B, S) if pad else torch.ones(B, S, dtype=torch.bool)
+    if segments:
+        bounds = segment_bounds(real, segments)
+
+    def mask(query, w_q, keys):
+        return mechanisms.dynamic_window_mask(query, w_q, keys, visible, real, bounds)[0]
+
+    w_q = window.query_pointers.weight.detach().requires_grad_(True)
+    assert torch.autograd.gradcheck(mask, (query, w_q, keys))
+
+
+@pytest.mark.parametrize(
+    "bias, multiplier, attn_mask, pad", itertools.product([False, True], repeat=4)
+)
+def test_dense_attention_gradients(bias, multiplier, attn_mask, pad):
+    torch.manual_seed(0)
+    dbl = dict(dtype=torch.float64, requires_grad=True)
+    q = torch.randn(B, H, T, 3, **dbl)
+    k, v = torch.randn(B, H, S, 3, **dbl), torch.randn(B, H, S, 3, **dbl)
+    terms = [torch.randn(B, H, T, S, **dbl) if bias else None,
+             torch.rand(B, H, T, S, **dbl) * 2 if multiplier else None]  # fmt: skip
+    future = torch.triu(torch.full((T, S), float("-inf"), dtype=torch.float64), 2)
+    # the second sentence is all padding: its queries have no key
+    key_padding_mask = padding(B, S, [(0, slice(0, 1)), (1, slice(None))]) if pad else None
+    keep = torch.rand(B, H, T, S) >= 0.3
+
+    def attention(q, k, v, *given):  # gradcheck passes only the terms that are tensors
+        it = iter(given)
+        bias, multiplier = (next(it) if t is not None else None for t in terms)
+        return mechanisms.dense_attention(q, k, v, bias, multiplier,
+                                          future if attn_mask else None, key_padding_mask, keep,
+                                          0.7, 0.3)  # fmt: skip
+
+    inputs = (q, k, v, *[t for t in terms if t is not None])
+    assert torch.autograd.gradcheck(attention, inputs)
+
+
+# -- the operators against the PyTorch definitions ---------------------------------------------
+
+
+def outputs_and_gradients(monkeypatch, impl, compute, leaves, seed=1):
+    monkeypatch.setenv(mechanisms.IMPL_ENV, impl)
+    for leaf in leaves:
+        leaf.grad = None
+    torch.manual_seed(seed)
+    out = compute()
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
+    return out.detach(), [leaf.grad.clone() for leaf in leaves]
+
+
+def assert_same_on_both_routes(monkeypatch, compute, leaves):
+    out, grads = outputs_and_gradients(monkeypatch, "auto", compute, leaves)
+    ref_out, ref_grads = outputs_and_gradients(monkeypatch, "torch", compute, leaves)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "strategy, centre, causal, pad, logits",
+    [(s, c, causal, pad, logits) for s in ("query", "fixed", "head") for c in ("paper", "code")
+     for causal, pad, logits in ((False, False, True), (True, True, True), (False, True, False))],
+)  # fmt: skip
+def test_gaussian_operator_matches_pytorch(monkeypatch, strategy, centre, causal, pad, logits):
+    torch.manual_seed(0)
+    loc = GaussianLocalness(DIM, DIM, H, strategy, fixed_window=3.0, max_window=6.0, centre=centre)
+    if loc.z is not None:
+        torch.nn.init.normal_(loc.z)
+    tgt = S if causal else T
+    q = torch.randn(B, tgt, DIM, requires_grad=True)
+    k = torch.randn(B, S, DIM)
+    extra = torch.randn(B, H, tgt, S, requires_grad=True) if logits else None
+    leaves = [q, *loc.parameters()] + ([extra] if logits else [])
+    mask = padding(B, S) if pad else None
+    assert_same_on_both_routes(monkeypatch, lambda: loc(q, k, mask, causal, extra)[0], leaves)
+
+
+@pytest.mark.parametrize("segments, causal, pad", [(None, False, False), (None, True, True),
+                                                   (1, False, True), (3, False, True)])  # fmt: skip
+def test_window_operator_matches_pytorch(monkeypatch, segments, causal, pad):
+    torch.manual_seed(0)
+    window = DynamicWindow(DIM, DIM, H, 3, segments)
+    tgt = S if causal else T
+    query = torch.randn(B, tgt, DIM, requires_grad=True)
+    key = torch.randn(B, S, DIM, requires_grad=True)
+    mask = padding(B, S, [(0, slice(0, 2)), (1, slice(None))]) if pad else None
+    leaves = [query, key, *window.parameters()]
+    assert_same_on_both_routes(monkeypatch, lambda: window(query, key, mask, causal), leaves)
+    window.record = True
+    window(query, key, mask, causal)
+    monkeypatch.setenv(mechanisms.IMPL_ENV, "torch")
+    recorded = window.last_pointers
+    window(query, key, mask, causal)
+    for ours, ref in zip(recorded, window.last_pointers):
+        torch.testing.assert_close(ours, ref)
+
+
+# -- the attention module ----------------------------------------------------------------------
+
+E, HEADS = 16, 4
+LAYOUTS = {
+    "gaussian": [HeadSpec(gaussian=True)] * HEADS,
+    "mw": [HeadSpec(window="mw")] * HEADS,
+    "aw": [HeadSpec(window="aw")] * HEADS,
+    "aw-seg2 and gaussian": [HeadSpec(window="aw", segment=2, gaussian=True)] * HEADS,
+    "pande and mw": [HeadSpec(m, window="mw") for m in ("prev-1", "next-1", "band-1", "global")],
+}
+
+
+def module(layout, causal=False, dropout=0.0):
+    torch.manual_seed(0)
+    attn = LocalMultiheadAttention(
+        E, HEADS, head_specs=LAYOUTS[layout], causal=causal, self_attention=True, dropout=dropout
+    )
+    attn.bind_qk_owners([attn])
+    return attn
+
+
+def count_operator_calls(monkeypatch):
+    calls = []
+    dense = mechanisms.dense_attention
+
+    def counted(*args):
+        calls.append(1)
+        return dense(*args)
+
+    monkeypatch.setattr(mechanisms, "dense_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_module_with_terms_operator_matches_pytorch(monkeypatch, layout, causal):
+    if causal and "seg" in layout:
+        pytest.skip("segments cannot be causal")
+    attn = module(layout, causal).train()
+    x = torch.randn(6, 3, E, requires_grad=True)
+    # left padding, and a sentence that is all padding (its outputs are zeros)
+    pad = padding(3, 6, [(0, slice(0, 2)), (2, slice(None))])
+    future = torch.triu(torch.full((6, 6), float("-inf")), 1) if causal else None
+    calls = count_operator_calls(monkeypatch)
+
+    def forward():
+        return attn(x, x, x, key_padding_mask=pad, need_weights=False, attn_mask=future)[0]
+
+    assert_same_on_both_routes(monkeypatch, forward, [x, *attn.parameters()])
+    assert calls == [1]  # the "torch" route did not call it
+    out = forward()
+    assert torch.isfinite(out).all() and not out[:, 2].any()
+
+
+def test_module_decodes_step_by_step_through_the_operators():
+    attn = module("gaussian", causal=True).eval()
+    x = torch.randn(5, 2, E)
+    future = torch.triu(torch.full((5, 5), float("-inf")), 1)
+    full = attn(x, x, x, need_weights=False, attn_mask=future)[0]
+    torch.testing.assert_close(decode_step_by_step(attn, x), full, rtol=1e-5, atol=1e-5)
+
+
+def test_module_dropout_is_the_drawn_mask(monkeypatch):
+    """With dropout the operator drops the weights its keep mask says, scaled by 1 / (1 - p)."""
+    attn = module("mw", dropout=0.4).train()
+    x = torch.randn(5, 2, E)
+    seen = {}
+    dense = mechanisms.dense_attention
+
+    def keep_arguments(*args):
+        seen["args"] = args
+        return dense(*args)
+
+    monkeypatch.setattr(mechanisms, "dense_attention", keep_arguments)
+    torch.manual_seed(3)
+    out = attn(x, x, x, need_weights=False)[0]
+    q, k, v, bias, multiplier, _, _, keep, scale, p = seen["args"]
+    assert p == 0.4 and keep is not None and not keep.all() and keep.any()
+    weights = torch.softmax(scale * q @ k.transpose(-1, -2), -1) * multiplier * keep / (1 - p)
+    expected = attn._merge_heads(weights @ v, 5, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_operators_refuse_bad_input():
+    q = torch.randn(B, H, T, 3)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        mechanisms.dense_attention(q, q, q, torch.zeros(1), None, None, None, None, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="dropout_keep"):
+        mechanisms.dense_attention(q, q, q, None, None, None, None, None, 1.0, 0.1)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        half = q.half()
+        mechanisms.dense_attention(half, half, half, None, None, None, None, None, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="not both"):
+        w = torch.randn(DIM, DIM)
+        mechanisms.gaussian_localness(torch.randn(B, T, DIM), w, torch.randn(H, DIM), None,
+                                      torch.ones(B, T), torch.ones(B, T), torch.zeros(B, S),
+                                      None, None, 0.0, 1e-4)  # fmt: skip
+
+
+def test_the_switch_keeps_every_call_in_pytorch(monkeypatch):
+    q = torch.zeros(2)
+    monkeypatch.setenv(mechanisms.IMPL_ENV, "torch")
+    assert not mechanisms.cpu_operators_apply(q)
+    monkeypatch.setenv(mechanisms.IMPL_ENV, "auto")
+    assert mechanisms.cpu_operators_apply(q)
+    assert not mechanisms.cpu_operators_apply(q, q.double())
+    monkeypatch.setenv(mechanisms.IMPL_ENV, "fast")
+    with pytest.raises(ValueError, match="LOCAL_ATTN_MECHANISM_IMPL"):
+        mechanisms.cpu_operators_apply(q)
