@@ -205,7 +205,8 @@ def encoder_ccd(data, checkpoint, task, out_dir, num_sentences):
 
 def score_run(run, log, data, task, max_update, dev_size):
     """A finished run's record: WER (ASR) or BLEU (ST) of its best checkpoint on the test
-    books, the windows it trained with, its encoder's CCD, its validation curve."""
+    books (for ST also on the test audio shuffled across verses, the level of a model that
+    does not listen), the windows it trained with, its encoder's CCD, its validation curve."""
     checkpoint = os.path.join(run.save_dir, "checkpoint_best.pt")
     generated = os.path.join(run.save_dir, "test", "generate-tst-COMMON.txt")
     os.makedirs(os.path.dirname(generated), exist_ok=True)
@@ -232,7 +233,18 @@ def score_run(run, log, data, task, max_update, dev_size):
     if task == "asr":
         record["chosen_windows"] = chosen
         record["contributions"] = layers
+    else:
+        record["shuffled_audio_score"] = shuffled_audio_score(data, run)
     return record
+
+
+def shuffled_audio_score(data, run):
+    """BLEU of an ST run's best checkpoint on the test audio shuffled across verses."""
+    shuffled = speech_pipeline.write_shuffled_audio_subset(data.data, "st")
+    return speech_pipeline.score(
+        data.data, os.path.join(run.save_dir, "checkpoint_best.pt"), "st",
+        os.path.join(run.save_dir, "test", f"generate-{shuffled}.txt"), shuffled,
+    )  # fmt: skip
 
 
 def encoder_path(asr, best_update):

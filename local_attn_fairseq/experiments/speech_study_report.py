@@ -6,6 +6,7 @@ and, on request, between the markers of ``docs/speech_study.md`` and of the clai
 """
 
 import json
+import math
 import os
 import statistics
 from dataclasses import asdict
@@ -63,6 +64,8 @@ def summarise_arm(records):
         "converged": sum(r["converged"] for r in records),
         "ccd": [statistics.mean(r["ccd"][i] for r in records) for i in range(layers)],
         "windows": records[0]["windows"],
+        # BLEU on the test audio shuffled across verses: the level of not listening
+        "shuffled": statistics.mean(r.get("shuffled_audio_score", math.nan) for r in records),
     }
 
 
@@ -83,9 +86,12 @@ def verdicts(asr, arms, cost):
             f"global ({diff:+.2f})",
             verdict,
         ))  # fmt: skip
+        shuffled = "" if math.isnan(g["shuffled"]) else (
+            f" ({g['shuffled']:.2f} on the test audio shuffled across verses)"
+        )
         rows.append((
             f"the global arm translates (target: at least {TARGET_BLEU:.0f} BLEU)",
-            f"BLEU {g['mean']:.2f}",
+            f"BLEU {g['mean']:.2f}{shuffled}",
             "met" if g["mean"] >= TARGET_BLEU else "not met: the comparison ranks models that "
             "translate poorly",
         ))  # fmt: skip
@@ -170,17 +176,19 @@ def report(facts, sizes, settings, asr, arms, cost, image):
     if asr is None:
         return "\n".join(lines + ["No run of the speech study is recorded yet.", ""])
     lines += [
-        "| model | encoder windows | test score | updates to convergence | runs converged |",
-        "|---|---|---:|---:|---:|",
-        f"| ASR (global) | {GLOBAL_WINDOWS} | WER {asr['score']:.2f} | "
+        "| model | encoder windows | test score | test audio shuffled across verses | "
+        "updates to convergence | runs converged |",
+        "|---|---|---:|---:|---:|---:|",
+        f"| ASR (global) | {GLOBAL_WINDOWS} | WER {asr['score']:.2f} | | "
         f"{asr['updates_to_convergence']:,} | {int(asr['converged'])}/1 |",
     ]
     for arm, s in arms.items():
         seeds = f"{s['runs']} seed" + ("s" if s["runs"] > 1 else "")
+        shuffled = "" if math.isnan(s["shuffled"]) else f"BLEU {s['shuffled']:.2f}"
         lines.append(
             f"| {ARMS[arm]} | {s['windows']} | BLEU {s['mean']:.2f} ± {s['std']:.2f} "
-            f"({s['min']:.2f}-{s['max']:.2f}, {seeds}) | {s['updates_to_convergence']:,} | "
-            f"{s['converged']}/{s['runs']} |"
+            f"({s['min']:.2f}-{s['max']:.2f}, {seeds}) | {shuffled} | "
+            f"{s['updates_to_convergence']:,} | {s['converged']}/{s['runs']} |"
         )
     lines += [
         "",

@@ -5,10 +5,13 @@ import pytest
 from local_attn_fairseq.experiments import speech_study_report as report
 
 
-def st_record(arm, seed, score, ccd, windows=None):
+def st_record(arm, seed, score, ccd, windows=None, shuffled=None):
     windows = windows or ("0,0,0,0,0,0" if arm == "global" else "0,0,3,5,5,7")
-    return {"arm": arm, "seed": seed, "score": score, "ccd": ccd, "converged": True,
-            "updates_to_convergence": 1000 * seed, "windows": windows}  # fmt: skip
+    record = {"arm": arm, "seed": seed, "score": score, "ccd": ccd, "converged": True,
+              "updates_to_convergence": 1000 * seed, "windows": windows}  # fmt: skip
+    if shuffled is not None:
+        record["shuffled_audio_score"] = shuffled
+    return record
 
 
 def test_summarise_arm_averages_seeds_and_layers():
@@ -60,3 +63,16 @@ def test_no_window_chosen_leaves_the_claim_untested():
     rows = report.verdicts({"ccd": [0.8]}, arms, None)
     assert rows[0][2].startswith("not tested: Algorithm 1 chose no window")
     assert len(rows) == 3  # no cost measured, no cost row
+
+
+def test_the_shuffled_audio_level_is_reported_beside_the_test_score():
+    arms = {arm: report.summarise_arm([st_record(arm, s, 9.0, [0.9], shuffled=s * 0.5)
+                                       for s in (1, 2)])
+            for arm in ("global", "local")}  # fmt: skip
+    assert arms["global"]["shuffled"] == pytest.approx(0.75)
+    rows = report.verdicts({"ccd": [0.8]}, arms, None)
+    assert rows[1][1] == "BLEU 9.00 (0.75 on the test audio shuffled across verses)"
+    # records written before they held the level: the column stays empty, nothing breaks
+    old = {arm: report.summarise_arm([st_record(arm, 1, 9.0, [0.9])])
+           for arm in ("global", "local")}  # fmt: skip
+    assert report.verdicts({"ccd": [0.8]}, old, None)[1][1] == "BLEU 9.00"

@@ -75,6 +75,10 @@ def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     assert [r["model"] for r in results["rows"]] == ["ASR (global)", *global_rows, local,
                                                      f"{local}, test audio shuffled across verses"]
     assert "Encoder self-attention of the local arm at the mean length" in out.stdout
+    # the shuffled levels are the ST records' own, as the study records them
+    st_records = [json.loads(p.read_text()) for p in work.glob("records/*-speech-st_*.json")]
+    shuffled_rows = {r["model"]: r["score"] for r in results["rows"] if "shuffled" in r["model"]}
+    assert sorted(shuffled_rows.values()) == sorted(r["shuffled_audio_score"] for r in st_records)
     assert (work / "speech_study.md").stat().st_size > 0 and (work / "results.md").exists()
     # not a terminal: plain progress lines while the three models train
     for run in ("ASR, global encoder", "ST, global encoder", re.escape(local)):
