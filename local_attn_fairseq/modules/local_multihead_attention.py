@@ -205,13 +205,17 @@ class LocalMultiheadAttention(nn.Module):
         self._build_dynamic_windows(bias)
         # Layers whose mechanisms are per-head terms covering every head (the Gaussian bias, one
         # kind of dynamic window, Pande's masks) and nothing else: on the CPU, steps 2-6 are one
-        # C++ operator.
+        # C++ operator. Not for heads that share Q/K: the operator computes every head's logits
+        # and softmax, where the explicit path computes one per shared group (Pande's tied
+        # model trained slower through it at the demo's sizes, 0.98 against 1.13 of the
+        # baseline's words/s).
         self.terms_cover_every_head = (
             bool(self.gaussian_heads or self.dynamic_windows or self.has_head_masks)
             and len(self.gaussian_heads) in (0, self.num_heads)
             and (not self.dynamic_windows or self.aw_covers_all_heads or self.mw_covers_all_heads)
             and not self.has_local_heads
             and self.relative_positions is None
+            and self.groups_are_heads
         )
         # Modules holding the Wq/Wk of other layers; kept out of _modules so that a tied
         # parameter is registered (and saved, counted, averaged) exactly once.
