@@ -29,8 +29,8 @@ banded operator; in a layer with Pande's band heads, each kind of head takes its
 heads: the band of the full softmax, ``ops.band_with_global_lse``; local heads: the banded
 operator; global heads: the fused path), with the same outputs as steps 1-7 above. On the CPU,
 a layer whose Gaussian bias, dynamic windows or Pande's masks cover every head (and that has
-nothing else) runs steps 2-6 as C++ operators (``ops.mechanisms``): one for each mechanism's
-term, one for the attention that takes them.
+nothing else, each head with its own Q/K) runs steps 2-6 as C++ operators
+(``ops.mechanisms``): one for each mechanism's term, one for the attention that takes them.
 
 The call signature, incremental state and returned weights follow
 ``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
