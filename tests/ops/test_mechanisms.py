@@ -197,11 +197,13 @@ def count_operator_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "layout, causal",
+    # segments cannot be causal (a decoder cannot point into an unfinished segment)
+    [(layout, causal) for layout in sorted(LAYOUTS) for causal in (False, True)
+     if not (causal and "seg" in layout)],
+)  # fmt: skip
 def test_module_with_terms_operator_matches_pytorch(monkeypatch, layout, causal):
-    if causal and "seg" in layout:
-        pytest.skip("segments cannot be causal")
     attn = module(layout, causal).train()
     x = torch.randn(6, 3, E, requires_grad=True)
     # left padding, and a sentence that is all padding (its outputs are zeros)
