@@ -1,5 +1,6 @@
 // CPU operators of two locality mechanisms, each one C++ call forward and one backward: Yang et
-// al.'s Gaussian localness bias and Nguyen et al.'s dynamic window mask. At the lengths where
+// al.'s Gaussian localness bias, Nguyen et al.'s dynamic window mask and the additive window's
+// term made from it, and the dense attention that takes these terms. At the lengths where
 // translation trains, the dozens of small PyTorch operations these mechanisms are made of cost
 // more than the attention they modify (docs/banded_attention.md, "Cost per call"); here the
 // products go to ATen and the elementwise work to one loop per attention row.
@@ -280,15 +281,21 @@ class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocal
           window.data_ptr<scalar_t>(), grad_scores.data_ptr<scalar_t>(),
           window_given ? grad_window_rows.data_ptr<scalar_t>() : nullptr);
     });
-    const at::Tensor grad_u = at::mm(grad_scores.t(), hidden);
-    result[kUp] = grad_u.narrow(0, 0, heads);
+    // each weight's gradient its own tensor: autograd keeps it as the .grad, where a view of a
+    // shared one would be copied
+    result[kUp] = at::mm(grad_scores.narrow(1, 0, heads).t(), hidden);
     if (window_given) {
       result[kWindow] = grad_window_rows.sum(at::IntArrayRef{0, 2});
     } else {
-      result[kUd] = grad_u.narrow(0, heads, heads);
+      result[kUd] = at::mm(grad_scores.narrow(1, heads, heads).t(), hidden);
     }
     // back through hidden = tanh(pre)
-    at::Tensor grad_pre = at::mm(grad_scores, u).mul_(1 - hidden * hidden);
+    at::Tensor grad_pre = at::mm(grad_scores, u);
+    AT_DISPATCH_FLOATING_TYPES(grad_pre.scalar_type(), "gaussian_localness_tanh_backward", [&] {
+      scalar_t* out = grad_pre.data_ptr<scalar_t>();
+      const scalar_t* h = hidden.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < grad_pre.numel(); ++i) out[i] *= scalar_t(1) - h[i] * h[i];
+    });
     result[kWp] = at::mm(grad_pre.t(), query2d);
     result[kQuery] = at::mm(grad_pre, w_p).view(ctx->saved_data["shape"].toIntVector());
     if (ctx->saved_data["logits_given"].toBool()) result[kLogits] = grad;  // weight 1
@@ -545,6 +552,50 @@ std::tuple<at::Tensor, at::Tensor> dynamic_window_mask_cpu(
   return {f.mask, f.phi};
 }
 
+// What the backward of the pointers and the mask reads, as its forward saves it.
+std::vector<at::Tensor> window_saved(const WindowForward& f, const at::Tensor& w_q,
+                                     const WindowInputs& in) {
+  return {f.query2d, w_q, f.keys, f.q_heads, f.phi, in.real, in.segment_start, in.segment_end};
+}
+constexpr size_t kWindowSaved = 8;
+
+struct WindowGrads {
+  at::Tensor query2d, w_q, keys;  // d query as (B T, d), d keys as (B 2H, S, d_h)
+};
+
+// d query, d w_q and d keys from d mask, with what window_saved kept (the first kWindowSaved).
+WindowGrads window_backward(const variable_list& saved, const at::Tensor& grad_mask_in) {
+  const at::Tensor &query2d = saved[0], &w_q = saved[1], &keys = saved[2],
+                   &q_heads = saved[3], &phi = saved[4], &real = saved[5],
+                   &segment_start = saved[6], &segment_end = saved[7];
+  const at::Tensor grad_mask = grad_mask_in.contiguous();
+  const int64_t bsz = phi.size(0), heads = phi.size(1) / 2, tgt_len = phi.size(2),
+                src_len = phi.size(3), head_dim = keys.size(2);
+  const WindowGeometry g{
+      bsz,
+      heads,
+      tgt_len,
+      src_len,
+      real.defined() ? real.data_ptr<bool>() : nullptr,
+      segment_start.defined() ? segment_start.data_ptr<int64_t>() : nullptr,
+      segment_end.defined() ? segment_end.data_ptr<int64_t>() : nullptr};
+  at::Tensor grad_logits = at::empty({bsz * 2 * heads, tgt_len, src_len}, phi.options());
+  AT_DISPATCH_FLOATING_TYPES(phi.scalar_type(), "dynamic_window_mask_backward_cpu", [&] {
+    window_mask_backward_rows<scalar_t>(grad_mask.data_ptr<scalar_t>(), phi.data_ptr<scalar_t>(),
+                                        1.0 / std::sqrt(double(head_dim)),
+                                        grad_logits.data_ptr<scalar_t>(), g);
+  });
+  WindowGrads grads;
+  grads.keys = at::bmm(grad_logits.transpose(1, 2), q_heads);
+  const at::Tensor grad_q = at::bmm(grad_logits, keys)
+                                .view({bsz, 2 * heads, tgt_len, head_dim})
+                                .transpose(1, 2)
+                                .reshape({bsz * tgt_len, 2 * heads * head_dim});
+  grads.w_q = at::mm(grad_q.t(), query2d);
+  grads.query2d = at::mm(grad_q, w_q);
+  return grads;
+}
+
 class DynamicWindowFunction : public torch::autograd::Function<DynamicWindowFunction> {
  public:
   enum { kQuery, kWq, kKeys, kArgs = 7 };  // argument positions, for the gradients
@@ -559,8 +610,7 @@ class DynamicWindowFunction : public torch::autograd::Function<DynamicWindowFunc
     const WindowInputs in =
         window_inputs(query, keys, visible, real, segment_start, segment_end);
     WindowForward f = window_forward(query, w_q, keys, in);
-    ctx->save_for_backward(
-        {f.query2d, w_q, f.keys, f.q_heads, f.phi, in.real, in.segment_start, in.segment_end});
+    ctx->save_for_backward(window_saved(f, w_q, in));
     ctx->saved_data["query_shape"] = query.sizes().vec();
     ctx->saved_data["keys_shape"] = keys.sizes().vec();
     ctx->mark_non_differentiable({f.phi});
@@ -571,36 +621,10 @@ class DynamicWindowFunction : public torch::autograd::Function<DynamicWindowFunc
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list result(kArgs);
     if (!grads[0].defined()) return result;
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &query2d = saved[0], &w_q = saved[1], &keys = saved[2],
-                     &q_heads = saved[3], &phi = saved[4], &real = saved[5],
-                     &segment_start = saved[6], &segment_end = saved[7];
-    const at::Tensor grad_mask = grads[0].contiguous();
-    const int64_t bsz = phi.size(0), heads = phi.size(1) / 2, tgt_len = phi.size(2),
-                  src_len = phi.size(3), head_dim = keys.size(2);
-    const WindowGeometry g{
-        bsz,
-        heads,
-        tgt_len,
-        src_len,
-        real.defined() ? real.data_ptr<bool>() : nullptr,
-        segment_start.defined() ? segment_start.data_ptr<int64_t>() : nullptr,
-        segment_end.defined() ? segment_end.data_ptr<int64_t>() : nullptr};
-    at::Tensor grad_logits = at::empty({bsz * 2 * heads, tgt_len, src_len}, phi.options());
-    AT_DISPATCH_FLOATING_TYPES(phi.scalar_type(), "dynamic_window_mask_backward_cpu", [&] {
-      window_mask_backward_rows<scalar_t>(grad_mask.data_ptr<scalar_t>(),
-                                          phi.data_ptr<scalar_t>(),
-                                          1.0 / std::sqrt(double(head_dim)),
-                                          grad_logits.data_ptr<scalar_t>(), g);
-    });
-    result[kKeys] = at::bmm(grad_logits.transpose(1, 2), q_heads)
-                        .view(ctx->saved_data["keys_shape"].toIntVector());
-    const at::Tensor grad_q = at::bmm(grad_logits, keys)
-                                  .view({bsz, 2 * heads, tgt_len, head_dim})
-                                  .transpose(1, 2)
-                                  .reshape({bsz * tgt_len, 2 * heads * head_dim});
-    result[kWq] = at::mm(grad_q.t(), query2d);
-    result[kQuery] = at::mm(grad_q, w_q).view(ctx->saved_data["query_shape"].toIntVector());
+    const WindowGrads g = window_backward(ctx->get_saved_variables(), grads[0]);
+    result[kKeys] = g.keys.view(ctx->saved_data["keys_shape"].toIntVector());
+    result[kWq] = g.w_q;
+    result[kQuery] = g.query2d.view(ctx->saved_data["query_shape"].toIntVector());
     return result;
   }
 };
@@ -613,6 +637,138 @@ std::tuple<at::Tensor, at::Tensor> dynamic_window_mask_autograd(
   variable_list outputs = DynamicWindowFunction::apply(query, w_q, keys, visible, real,
                                                        segment_start, segment_end);
   return {outputs[0], outputs[1]};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The additive window's term (Nguyen et al. 2020, Eqs. 14-16) of a layer whose every head is an
+// AW head of one window group: the mask M above, times the local scores
+//   term[b, h] = (scale (query W_loc^T + b_loc)_h) (local_keys_h)^T * M[b, h],
+// in one call: the local query projection, its product with the local keys and the mask's
+// pointers share the operator's single autograd node.
+
+struct LocalScores {
+  at::Tensor local_q, local_k, scores;  // (B H, T, d_l) scaled, (B H, S, d_l), (B, H, T, S)
+};
+
+LocalScores local_scores(const WindowForward& f, const at::Tensor& local_w,
+                         const c10::optional<at::Tensor>& local_b, const at::Tensor& local_keys,
+                         double scale, int64_t bsz, int64_t heads, int64_t tgt_len) {
+  const char* op = "local_attn::additive_window_term";
+  const NamedTensor inputs[] = {{&f.query2d, "query"}, {&local_w, "local_w"},
+                                {&local_keys, "local_keys"}};
+  check_cpu_floats(inputs, op);
+  const int64_t dim = f.query2d.size(1);
+  TORCH_CHECK(local_keys.dim() == 4 && local_keys.size(0) == bsz && local_keys.size(1) == heads,
+              op, ": local_keys must be (B, H, S, d_l) with the H heads of the window");
+  const int64_t src_len = local_keys.size(2), local_dim = local_keys.size(3);
+  TORCH_CHECK(src_len == f.keys.size(1), op, ": local_keys must have the pointers' S keys");
+  TORCH_CHECK(local_w.dim() == 2 && local_w.size(0) == heads * local_dim && local_w.size(1) == dim,
+              op, ": local_w must be (H d_l, d)");
+  const bool biased = local_b.has_value() && local_b->defined();
+  TORCH_CHECK(!biased || (local_b->dim() == 1 && local_b->size(0) == heads * local_dim &&
+                          local_b->scalar_type() == f.query2d.scalar_type()),
+              op, ": local_b must be (H d_l,) of query's dtype");
+  at::Tensor projected =
+      biased ? at::addmm(*local_b, f.query2d, local_w.t()) : at::mm(f.query2d, local_w.t());
+  LocalScores s;
+  s.local_q = projected.mul_(scale)
+                  .view({bsz, tgt_len, heads, local_dim})
+                  .transpose(1, 2)
+                  .reshape({bsz * heads, tgt_len, local_dim});
+  s.local_k = local_keys.reshape({bsz * heads, src_len, local_dim});
+  s.scores = at::bmm(s.local_q, s.local_k.transpose(1, 2)).view({bsz, heads, tgt_len, src_len});
+  return s;
+}
+
+class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFunction> {
+ public:
+  // argument positions, for the gradients
+  enum { kQuery, kWq, kKeys, kLocalW = 7, kLocalB, kLocalKeys, kArgs = 11 };
+
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
+                               const at::Tensor& w_q, const at::Tensor& keys,
+                               const c10::optional<at::Tensor>& visible,
+                               const c10::optional<at::Tensor>& real,
+                               const c10::optional<at::Tensor>& segment_start,
+                               const c10::optional<at::Tensor>& segment_end,
+                               const at::Tensor& local_w, const c10::optional<at::Tensor>& local_b,
+                               const at::Tensor& local_keys, double scale) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const WindowInputs in =
+        window_inputs(query, keys, visible, real, segment_start, segment_end);
+    WindowForward f = window_forward(query, w_q, keys, in);
+    const WindowGeometry& g = in.geometry;
+    LocalScores s = local_scores(f, local_w, local_b, local_keys, scale, g.bsz, g.heads,
+                                 g.tgt_len);
+    const at::Tensor term = s.scores * f.mask;
+    std::vector<at::Tensor> saved = window_saved(f, w_q, in);
+    saved.insert(saved.end(), {local_w, s.local_q, s.local_k, s.scores, f.mask});
+    ctx->save_for_backward(saved);
+    ctx->saved_data["query_shape"] = query.sizes().vec();
+    ctx->saved_data["keys_shape"] = keys.sizes().vec();
+    ctx->saved_data["local_keys_shape"] = local_keys.sizes().vec();
+    ctx->saved_data["biased"] = local_b.has_value() && local_b->defined();
+    ctx->saved_data["scale"] = scale;
+    ctx->mark_non_differentiable({f.phi});
+    ctx->set_materialize_grads(false);  // the pointers have none
+    return {term, f.phi};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(kArgs);
+    if (!grads[0].defined()) return result;
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &local_w = saved[kWindowSaved], &local_q = saved[kWindowSaved + 1],
+                     &local_k = saved[kWindowSaved + 2], &scores = saved[kWindowSaved + 3],
+                     &mask = saved[kWindowSaved + 4];
+    const at::Tensor grad = grads[0].contiguous();
+    const int64_t bsz = mask.size(0), heads = mask.size(1), tgt_len = mask.size(2),
+                  src_len = mask.size(3), local_dim = local_q.size(2);
+    // term = scores * M: back to the scores (then the local Q and K) and to the mask
+    const at::Tensor grad_scores = (grad * mask).view({bsz * heads, tgt_len, src_len});
+    result[kLocalKeys] = at::bmm(grad_scores.transpose(1, 2), local_q)
+                             .view(ctx->saved_data["local_keys_shape"].toIntVector());
+    const at::Tensor grad_local_q = at::bmm(grad_scores, local_k)
+                                        .mul_(ctx->saved_data["scale"].toDouble())
+                                        .view({bsz, heads, tgt_len, local_dim})
+                                        .transpose(1, 2)
+                                        .reshape({bsz * tgt_len, heads * local_dim});
+    const WindowGrads g = window_backward(saved, grad * scores);
+    result[kKeys] = g.keys.view(ctx->saved_data["keys_shape"].toIntVector());
+    result[kWq] = g.w_q;
+    const at::Tensor& query2d = saved[0];
+    result[kLocalW] = at::mm(grad_local_q.t(), query2d);
+    if (ctx->saved_data["biased"].toBool()) result[kLocalB] = grad_local_q.sum(0);
+    result[kQuery] = g.query2d.addmm_(grad_local_q, local_w)
+                         .view(ctx->saved_data["query_shape"].toIntVector());
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> additive_window_term_autograd(
+    const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
+    const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
+    const c10::optional<at::Tensor>& segment_start,
+    const c10::optional<at::Tensor>& segment_end, const at::Tensor& local_w,
+    const c10::optional<at::Tensor>& local_b, const at::Tensor& local_keys, double scale) {
+  variable_list outputs = AdditiveWindowFunction::apply(
+      query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b, local_keys,
+      scale);
+  return {outputs[0], outputs[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> additive_window_term_cpu(
+    const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
+    const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
+    const c10::optional<at::Tensor>& segment_start,
+    const c10::optional<at::Tensor>& segment_end, const at::Tensor& local_w,
+    const c10::optional<at::Tensor>& local_b, const at::Tensor& local_keys, double scale) {
+  const WindowInputs in = window_inputs(query, keys, visible, real, segment_start, segment_end);
+  WindowForward f = window_forward(query, w_q, keys, in);
+  const WindowGeometry& g = in.geometry;
+  LocalScores s =
+      local_scores(f, local_w, local_b, local_keys, scale, g.bsz, g.heads, g.tgt_len);
+  return {s.scores.mul_(f.mask), f.phi};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -887,6 +1043,10 @@ TORCH_LIBRARY_FRAGMENT(local_attn, m) {
       "dynamic_window_mask(Tensor query, Tensor w_q, Tensor keys, Tensor? visible, "
       "Tensor? real, Tensor? segment_start, Tensor? segment_end) -> (Tensor, Tensor)");
   m.def(
+      "additive_window_term(Tensor query, Tensor w_q, Tensor keys, Tensor? visible, "
+      "Tensor? real, Tensor? segment_start, Tensor? segment_end, Tensor local_w, "
+      "Tensor? local_b, Tensor local_keys, float scale) -> (Tensor, Tensor)");
+  m.def(
       "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? multiplier, "
       "Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
       "float dropout_p) -> Tensor");
@@ -895,12 +1055,14 @@ TORCH_LIBRARY_FRAGMENT(local_attn, m) {
 TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
   m.impl("gaussian_localness", &gaussian_localness_cpu);
   m.impl("dynamic_window_mask", &dynamic_window_mask_cpu);
+  m.impl("additive_window_term", &additive_window_term_cpu);
   m.impl("dense_attention", &dense_attention_cpu);
 }
 
 TORCH_LIBRARY_IMPL(local_attn, Autograd, m) {
   m.impl("gaussian_localness", &gaussian_localness_autograd);
   m.impl("dynamic_window_mask", &dynamic_window_mask_autograd);
+  m.impl("additive_window_term", &additive_window_term_autograd);
   m.impl("dense_attention", &dense_attention_autograd);
 }
 

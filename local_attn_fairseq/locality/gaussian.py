@@ -59,6 +59,28 @@ def _unpadded_positions(bsz: int, src_len: int, device: torch.device) -> Tuple[T
     return positions, torch.ones(bsz, src_len, device=device)
 
 
+def query_lengths(real: Tensor, causal: bool, tgt_len: int, centre: str) -> Tuple[Tensor, Tensor]:
+    """I, the real keys each query sees, and the span its centre may reach (I under the paper's
+    convention, I - 1 under the code's), each (bsz, tgt_len), from the keys' realness (bsz,
+    src_len)."""
+    if causal:
+        # query t sits at key position src_len - tgt_len + t and sees the keys up to it
+        seen = real.cumsum(-1)[:, real.size(-1) - tgt_len :]
+    else:
+        seen = real.sum(-1, keepdim=True).expand(-1, tgt_len)
+    # the code convention's centre reaches the last real key, I - 1, and no further
+    return seen, (seen - 1).clamp_min(0) if centre == "code" else seen
+
+
+@cached_constants(maxsize=64)
+def _unpadded_lengths(
+    bsz: int, src_len: int, tgt_len: int, causal: bool, centre: str, device: torch.device
+) -> Tuple[Tensor, Tensor]:
+    """:func:`query_lengths` of a batch without padding."""
+    _, real = _unpadded_positions(bsz, src_len, device)
+    return query_lengths(real, causal, tgt_len, centre)
+
+
 class GaussianLocalness(nn.Module):
     def __init__(
         self,
@@ -104,7 +126,7 @@ class GaussianLocalness(nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """P and D, each (bsz, heads, tgt_len), from queries (bsz, tgt, dq), keys (bsz, src, dk)
         and the realness of the keys (bsz, src)."""
-        seen, span = self._lengths(real, causal, q.size(1))
+        seen, span = query_lengths(real, causal, q.size(1), self.centre)
         length, span = seen.unsqueeze(1), span.unsqueeze(1)  # I, (bsz, 1, tgt)
         hidden = torch.tanh(self.w_p(q))
         if self.strategy == "query":
@@ -129,17 +151,6 @@ class GaussianLocalness(nn.Module):
             window = self._scaled_window(length, z).expand_as(centre)
         return centre, window
 
-    def _lengths(self, real: Tensor, causal: bool, tgt_len: int) -> Tuple[Tensor, Tensor]:
-        """I, the real keys each query sees, and the span its centre may reach (I under the
-        paper's convention, I - 1 under the code's), each (bsz, tgt_len)."""
-        if causal:
-            # query t sits at key position src_len - tgt_len + t and sees the keys up to it
-            seen = real.cumsum(-1)[:, real.size(-1) - tgt_len :]
-        else:
-            seen = real.sum(-1, keepdim=True).expand(-1, tgt_len)
-        # the code convention's centre reaches the last real key, I - 1, and no further
-        return seen, (seen - 1).clamp_min(0) if self.centre == "code" else seen
-
     def _head_windows(self) -> Tensor:
         """D of the head strategy (Eq. 11), (heads,)."""
         return self.max_window * torch.sigmoid(self.z.float())
@@ -163,7 +174,8 @@ class GaussianLocalness(nn.Module):
         positions, real = real_key_positions(key_padding_mask, bsz, src_len, k.device)
         operands = (q,) if logits is None else (q, logits)
         if self.strategy != "layer" and mechanisms.cpu_operators_apply(*operands):
-            return self._forward_cpu_operator(q, real, positions, causal, logits)
+            padded = key_padding_mask is not None
+            return self._forward_cpu_operator(q, real, positions, causal, logits, padded)
         centre, window = self.centres_and_windows(q, k, real, causal)
         # -(j - P)^2 / (2 sigma^2) with sigma = D / 2 is -(j - P)^2 * 2 / D^2
         scale = (-2.0 / window.clamp_min(MIN_WINDOW).square()).unsqueeze(-1)
@@ -172,9 +184,14 @@ class GaussianLocalness(nn.Module):
             return squared_offset * scale, centre, window
         return torch.addcmul(logits, squared_offset, scale), centre, window
 
-    def _forward_cpu_operator(self, q, real, positions, causal, logits):
+    def _forward_cpu_operator(self, q, real, positions, causal, logits, padded):
         """:meth:`forward` in one C++ call (ops/mechanisms.py); P and D come back detached."""
-        seen, span = self._lengths(real, causal, q.size(1))
+        if padded:
+            seen, span = query_lengths(real, causal, q.size(1), self.centre)
+        else:
+            seen, span = _unpadded_lengths(
+                q.size(0), real.size(1), q.size(1), causal, self.centre, q.device
+            )
         window = u_d = None
         if self.strategy == "query":
             u_d = self.u_d.weight

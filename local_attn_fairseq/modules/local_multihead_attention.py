@@ -249,6 +249,9 @@ class LocalMultiheadAttention(nn.Module):
         every_head = list(range(self.num_heads))
         self.aw_covers_all_heads = order == every_head and len(aw) == self.num_heads
         self.mw_covers_all_heads = order == every_head and len(mw) == self.num_heads
+        # AW heads only, one window group: the operator with every head's terms takes their
+        # mask and local scores from one C++ call
+        self.aw_term_in_one_call = self.aw_covers_all_heads and len(self.window_groups) == 1
         width = len(aw) * self.head_dim
         self.local_q_proj = nn.Linear(self.embed_dim, width, bias=bias) if aw else None
         self.local_k_proj = nn.Linear(self.kdim, width, bias=bias) if aw else None
@@ -530,7 +533,13 @@ class LocalMultiheadAttention(nn.Module):
             multiplier = masks.to(q.dtype).expand(bsz, -1, -1, -1)
         if self.localness is not None:
             bias = self._add_localness(None, q, k, key_padding_mask)
-        if self.dynamic_windows:
+        if self.aw_term_in_one_call:
+            local = self.dynamic_windows[0].additive_term(
+                query.transpose(0, 1), key_padding_mask, self.causal, window_keys["window0"],
+                self.local_q_proj, window_keys["local_key"], self.scaling,
+            )  # fmt: skip
+            bias = local if bias is None else bias + local
+        elif self.dynamic_windows:
             windows = self._window_masks(query, window_keys, key_padding_mask)
             if self.aw_covers_all_heads:
                 local = self._local_window_scores(query, window_keys, windows)

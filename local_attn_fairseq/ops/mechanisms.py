@@ -5,9 +5,10 @@ At the lengths where translation trains, Yang et al.'s Gaussian bias and Nguyen 
 window masks are dozens of small PyTorch operations a call, each with its autograd node, and
 cost more than the attention they modify. Three operators of the banded attention's extension
 (csrc/mechanisms_cpu.cpp) compute them in one call forward and one backward each:
-``gaussian_localness`` (the bias), ``dynamic_window_mask`` (the pointers and the mask M) and
-``dense_attention`` (softmax of the logits plus an additive term, times a multiplier, dropout,
-times v). ``locality/gaussian.py``, ``locality/dynamic_window.py`` and
+``gaussian_localness`` (the bias), ``dynamic_window_mask`` (the pointers and the mask M),
+``additive_window_term`` (M times the additive window's local scores, for a layer whose every
+head is an AW head) and ``dense_attention`` (softmax of the logits plus an additive term, times
+a multiplier, dropout, times v). ``locality/gaussian.py``, ``locality/dynamic_window.py`` and
 ``LocalMultiheadAttention`` define the computations and call these operators when
 :func:`cpu_operators_apply`; everywhere else (GPUs, half precision, an unbuilt extension,
 ``torch.compile``) they compute them in PyTorch, with the same results.
@@ -93,10 +94,39 @@ def dynamic_window_mask(
     projected pointer keys (B, 2H, S, d_h); visible: bool, broadcastable to (B, 1, T, S), or
     None; real (B, S) bool or None; segment_bounds: the first and last key of each key's
     segment, or None for token windows."""
+    return torch.ops.local_attn.dynamic_window_mask(
+        query, w_q, keys, *_window_geometry(visible, real, segment_bounds)
+    )
+
+
+def additive_window_term(
+    query: Tensor,
+    w_q: Tensor,
+    keys: Tensor,
+    visible: Optional[Tensor],
+    real: Optional[Tensor],
+    segment_bounds: Optional[Tuple[Tensor, Tensor]],
+    local_w: Tensor,
+    local_b: Optional[Tensor],
+    local_keys: Tensor,
+    scale: float,
+) -> Tuple[Tensor, Tensor]:
+    """The additive window's term (s_loc * M, scaled) of every head, (B, H, T, S), and the
+    pointers as :func:`dynamic_window_mask` gives them: s_loc = (scale (query local_w^T +
+    local_b)) local_keys^T per head, local_w (H d_l, d), local_keys (B, H, S, d_l); the other
+    arguments as :func:`dynamic_window_mask`'s."""
+    return torch.ops.local_attn.additive_window_term(
+        query, w_q, keys, *_window_geometry(visible, real, segment_bounds),
+        local_w, local_b, local_keys, scale,
+    )  # fmt: skip
+
+
+def _window_geometry(visible, real, segment_bounds):
+    """The window operators' visible, real, segment_start and segment_end arguments."""
     if visible is not None:
         visible = visible.view(*([1] * (4 - visible.dim())), *visible.shape)
     start, end = segment_bounds if segment_bounds is not None else (None, None)
-    return torch.ops.local_attn.dynamic_window_mask(query, w_q, keys, visible, real, start, end)
+    return visible, real, start, end
 
 
 def dense_attention(

@@ -79,6 +79,43 @@ def test_dynamic_window_mask_gradients(segments, pad, causal):
 
 
 @pytest.mark.parametrize(
+    "segments, pad, causal, local_bias",
+    [(None, False, False, True), (None, True, False, False), (2, True, False, True),
+     (None, True, True, True)],
+)  # fmt: skip
+def test_additive_window_term_gradients(segments, pad, causal, local_bias):
+    torch.manual_seed(0)
+    window = DynamicWindow(DIM, DIM, H, 3, segments).double()
+    tgt = S if causal else T
+    dbl = dict(dtype=torch.float64, requires_grad=True)
+    query = torch.randn(B, tgt, DIM, **dbl)
+    keys = window.project_keys(torch.randn(B, S, DIM, dtype=torch.float64)).double().detach()
+    keys.requires_grad_(True)
+    local_w, local_keys = torch.randn(H * 4, DIM, **dbl), torch.randn(B, H, S, 4, **dbl)
+    local_b = torch.randn(H * 4, **dbl) if local_bias else None
+    key_padding_mask = padding(B, S) if pad else None
+    visible = window.visible_keys(key_padding_mask, causal, B, tgt, S)
+    real = ~padding(B, S) if pad else (torch.ones(B, S, dtype=torch.bool) if segments else None)
+    bounds = segment_bounds(real, segments) if segments else None
+    w_q = window.query_pointers.weight.detach().requires_grad_(True)
+
+    def term(query, w_q, keys, local_w, local_keys, *local_b):
+        bias = local_b[0] if local_b else None
+        return mechanisms.additive_window_term(
+            query, w_q, keys, visible, real, bounds, local_w, bias, local_keys, 0.3
+        )[0]
+
+    inputs = (query, w_q, keys, local_w, local_keys, *([local_b] if local_bias else []))
+    assert torch.autograd.gradcheck(term, inputs)
+    # the term is the local scores times the mask of dynamic_window_mask
+    mask = mechanisms.dynamic_window_mask(query, w_q, keys, visible, real, bounds)[0]
+    local_q = (query @ local_w.t() + (0 if local_b is None else local_b)) * 0.3
+    local_q = local_q.view(B, tgt, H, 4).transpose(1, 2)
+    expected = (local_q @ local_keys.transpose(-1, -2)) * mask
+    torch.testing.assert_close(term(*inputs), expected)
+
+
+@pytest.mark.parametrize(
     "bias, multiplier, attn_mask, pad", itertools.product([False, True], repeat=4)
 )
 def test_dense_attention_gradients(bias, multiplier, attn_mask, pad):
@@ -185,15 +222,15 @@ def module(layout, causal=False, dropout=0.0):
     return attn
 
 
-def count_operator_calls(monkeypatch):
+def count_operator_calls(monkeypatch, name="dense_attention"):
     calls = []
-    dense = mechanisms.dense_attention
+    operator = getattr(mechanisms, name)
 
     def counted(*args):
         calls.append(1)
-        return dense(*args)
+        return operator(*args)
 
-    monkeypatch.setattr(mechanisms, "dense_attention", counted)
+    monkeypatch.setattr(mechanisms, name, counted)
     return calls
 
 
@@ -210,12 +247,15 @@ def test_module_with_terms_operator_matches_pytorch(monkeypatch, layout, causal)
     pad = padding(3, 6, [(0, slice(0, 2)), (2, slice(None))])
     future = torch.triu(torch.full((6, 6), float("-inf")), 1) if causal else None
     calls = count_operator_calls(monkeypatch)
+    aw_calls = count_operator_calls(monkeypatch, "additive_window_term")
 
     def forward():
         return attn(x, x, x, key_padding_mask=pad, need_weights=False, attn_mask=future)[0]
 
     assert_same_on_both_routes(monkeypatch, forward, [x, *attn.parameters()])
     assert calls == [1]  # the "torch" route did not call it
+    # layers of AW heads in one window group take their term from one call
+    assert len(aw_calls) == int(layout.startswith("aw"))
     out = forward()
     assert torch.isfinite(out).all() and not out[:, 2].any()
 
@@ -275,3 +315,18 @@ def test_the_switch_keeps_every_call_in_pytorch(monkeypatch):
     monkeypatch.setenv(mechanisms.IMPL_ENV, "fast")
     with pytest.raises(ValueError, match="LOCAL_ATTN_MECHANISM_IMPL"):
         mechanisms.cpu_operators_apply(q)
+
+
+def test_aw_layer_records_the_pointers_it_used(monkeypatch):
+    """The learned-windows analysis reads the pointers of the one-call AW term as of the mask."""
+    attn = module("aw").eval()
+    x = torch.randn(6, 2, E)
+    pad = padding(2, 6, [(0, slice(0, 2))])
+    recorded = {}
+    for impl in ("auto", "torch"):
+        monkeypatch.setenv(mechanisms.IMPL_ENV, impl)
+        attn.dynamic_windows[0].record = True
+        attn(x, x, x, key_padding_mask=pad, need_weights=False)
+        recorded[impl] = attn.dynamic_windows[0].last_pointers
+    for ours, ref in zip(recorded["auto"], recorded["torch"]):
+        torch.testing.assert_close(ours, ref)
