@@ -260,12 +260,19 @@ def test_module_with_terms_operator_matches_pytorch(monkeypatch, layout, causal)
     assert torch.isfinite(out).all() and not out[:, 2].any()
 
 
-def test_module_decodes_step_by_step_through_the_operators():
-    attn = module("gaussian", causal=True).eval()
+@pytest.mark.parametrize("layout", ["gaussian", "aw"])
+def test_module_decodes_step_by_step_through_the_operators(monkeypatch, layout):
+    attn = module(layout, causal=True).eval()
     x = torch.randn(5, 2, E)
     future = torch.triu(torch.full((5, 5), float("-inf")), 1)
     full = attn(x, x, x, need_weights=False, attn_mask=future)[0]
-    torch.testing.assert_close(decode_step_by_step(attn, x), full, rtol=1e-5, atol=1e-5)
+    calls = count_operator_calls(monkeypatch)
+    steps = decode_step_by_step(attn, x, need_weights=False)  # as fairseq's decoder calls it
+    torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
+    assert len(calls) == x.size(0)  # every step through the operator
+    # the explicit path, which returns the weights, decodes the same
+    steps = decode_step_by_step(attn, x)
+    torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
 
 
 def test_module_dropout_is_the_drawn_mask(monkeypatch):
