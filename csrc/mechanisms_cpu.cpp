@@ -231,6 +231,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_localness_cpu(
   return {f.out, f.centre, f.window};
 }
 
+// What the backward of the bias reads, as its forward saves it.
+std::vector<at::Tensor> localness_saved(const LocalnessForward& f, const at::Tensor& w_p,
+                                        const at::Tensor& span, const at::Tensor& length,
+                                        const at::Tensor& positions) {
+  return {f.query2d, w_p, f.u, span, length, positions, f.hidden, f.scores, f.centre, f.window};
+}
+constexpr size_t kLocalnessSaved = 10;
+
+struct LocalnessGrads {
+  at::Tensor query2d, w_p, u_p, u_d, window;  // d query as (B T, d); u_d or window undefined
+};
+
+// The gradients of the bias's inputs from that of its output (B, H, T, S), with what
+// localness_saved kept (the first kLocalnessSaved of saved).
+LocalnessGrads localness_backward(const variable_list& saved, bool window_given,
+                                  double min_window, const at::Tensor& grad_in) {
+  const at::Tensor &query2d = saved[0], &w_p = saved[1], &u = saved[2], &span = saved[3],
+                   &length = saved[4], &positions = saved[5], &hidden = saved[6],
+                   &scores = saved[7], &centre = saved[8], &window = saved[9];
+  const at::Tensor grad = grad_in.contiguous();
+  const int64_t heads = centre.size(1);
+  const LocalnessGeometry g{centre.size(0),    heads,        centre.size(2),
+                            positions.size(1), u.size(0),    window_given,
+                            0.0,               min_window};
+  at::Tensor grad_scores = at::empty_like(scores);
+  at::Tensor grad_window_rows = window_given ? at::empty_like(centre) : at::Tensor();
+  const at::Tensor positions_c = positions.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "gaussian_localness_backward_cpu", [&] {
+    localness_backward_rows<scalar_t>(
+        g, grad.data_ptr<scalar_t>(), scores.data_ptr<scalar_t>(), per_query<scalar_t>(span),
+        per_query<scalar_t>(length), positions_c.data_ptr<scalar_t>(),
+        centre.data_ptr<scalar_t>(), window.data_ptr<scalar_t>(),
+        grad_scores.data_ptr<scalar_t>(),
+        window_given ? grad_window_rows.data_ptr<scalar_t>() : nullptr);
+  });
+  LocalnessGrads grads;
+  // each weight's gradient its own tensor: autograd keeps it as the .grad, where a view of a
+  // shared one would be copied
+  grads.u_p = at::mm(grad_scores.narrow(1, 0, heads).t(), hidden);
+  if (window_given) {
+    grads.window = grad_window_rows.sum(at::IntArrayRef{0, 2});
+  } else {
+    grads.u_d = at::mm(grad_scores.narrow(1, heads, heads).t(), hidden);
+  }
+  // back through hidden = tanh(pre)
+  at::Tensor grad_pre = at::mm(grad_scores, u);
+  AT_DISPATCH_FLOATING_TYPES(grad_pre.scalar_type(), "gaussian_localness_tanh_backward", [&] {
+    scalar_t* out = grad_pre.data_ptr<scalar_t>();
+    const scalar_t* h = hidden.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < grad_pre.numel(); ++i) out[i] *= scalar_t(1) - h[i] * h[i];
+  });
+  grads.w_p = at::mm(grad_pre.t(), query2d);
+  grads.query2d = at::mm(grad_pre, w_p);
+  return grads;
+}
+
 class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocalnessFunction> {
  public:
   // argument positions, for the gradients
@@ -246,8 +302,7 @@ class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocal
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     LocalnessForward f = localness_forward(query, w_p, u_p, u_d, span, length, positions,
                                            window, logits, window_offset, min_window);
-    ctx->save_for_backward(
-        {f.query2d, w_p, f.u, span, length, positions, f.hidden, f.scores, f.centre, f.window});
+    ctx->save_for_backward(localness_saved(f, w_p, span, length, positions));
     ctx->saved_data["shape"] = query.sizes().vec();
     ctx->saved_data["window_given"] = window.has_value() && window->defined();
     ctx->saved_data["logits_given"] = logits.has_value() && logits->defined();
@@ -260,45 +315,15 @@ class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocal
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list result(kArgs);
     if (!grads[0].defined()) return result;
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &query2d = saved[0], &w_p = saved[1], &u = saved[2], &span = saved[3],
-                     &length = saved[4], &positions = saved[5], &hidden = saved[6],
-                     &scores = saved[7], &centre = saved[8], &window = saved[9];
-    const bool window_given = ctx->saved_data["window_given"].toBool();
-    const at::Tensor grad = grads[0].contiguous();
-    const int64_t heads = centre.size(1);
-    const LocalnessGeometry g{centre.size(0),      heads,        centre.size(2),
-                              positions.size(1),   u.size(0),    window_given,
-                              0.0, ctx->saved_data["min_window"].toDouble()};
-    at::Tensor grad_scores = at::empty_like(scores);
-    at::Tensor grad_window_rows = window_given ? at::empty_like(centre) : at::Tensor();
-    const at::Tensor positions_c = positions.contiguous();
-    AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "gaussian_localness_backward_cpu", [&] {
-      localness_backward_rows<scalar_t>(
-          g, grad.data_ptr<scalar_t>(), scores.data_ptr<scalar_t>(),
-          per_query<scalar_t>(span), per_query<scalar_t>(length),
-          positions_c.data_ptr<scalar_t>(), centre.data_ptr<scalar_t>(),
-          window.data_ptr<scalar_t>(), grad_scores.data_ptr<scalar_t>(),
-          window_given ? grad_window_rows.data_ptr<scalar_t>() : nullptr);
-    });
-    // each weight's gradient its own tensor: autograd keeps it as the .grad, where a view of a
-    // shared one would be copied
-    result[kUp] = at::mm(grad_scores.narrow(1, 0, heads).t(), hidden);
-    if (window_given) {
-      result[kWindow] = grad_window_rows.sum(at::IntArrayRef{0, 2});
-    } else {
-      result[kUd] = at::mm(grad_scores.narrow(1, heads, heads).t(), hidden);
-    }
-    // back through hidden = tanh(pre)
-    at::Tensor grad_pre = at::mm(grad_scores, u);
-    AT_DISPATCH_FLOATING_TYPES(grad_pre.scalar_type(), "gaussian_localness_tanh_backward", [&] {
-      scalar_t* out = grad_pre.data_ptr<scalar_t>();
-      const scalar_t* h = hidden.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < grad_pre.numel(); ++i) out[i] *= scalar_t(1) - h[i] * h[i];
-    });
-    result[kWp] = at::mm(grad_pre.t(), query2d);
-    result[kQuery] = at::mm(grad_pre, w_p).view(ctx->saved_data["shape"].toIntVector());
-    if (ctx->saved_data["logits_given"].toBool()) result[kLogits] = grad;  // weight 1
+    const LocalnessGrads g =
+        localness_backward(ctx->get_saved_variables(), ctx->saved_data["window_given"].toBool(),
+                           ctx->saved_data["min_window"].toDouble(), grads[0]);
+    result[kQuery] = g.query2d.view(ctx->saved_data["shape"].toIntVector());
+    result[kWp] = g.w_p;
+    result[kUp] = g.u_p;
+    result[kUd] = g.u_d;
+    result[kWindow] = g.window;
+    if (ctx->saved_data["logits_given"].toBool()) result[kLogits] = grads[0];  // weight 1
     return result;
   }
 };
@@ -962,6 +987,46 @@ at::Tensor dense_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
       .out;
 }
 
+// What the backward of the attention reads, as its forward saves it.
+std::vector<at::Tensor> dense_saved(const DenseForward& f) {
+  return {f.q, f.k, f.v, f.probs, f.terms.multiplier, f.terms.keep};
+}
+
+struct DenseGrads {
+  at::Tensor q, k, v, logits, multiplier;  // d logits: that of the additive terms too
+};
+
+// The gradients of the attention's inputs from that of its output, with what dense_saved kept
+// (the first six of saved).
+DenseGrads dense_backward(const variable_list& saved, size_t first, double scale,
+                          double dropout_p, const at::Tensor& grad_output) {
+  const at::Tensor &q = saved[first], &k = saved[first + 1], &v = saved[first + 2],
+                   &probs = saved[first + 3];
+  DenseTerms terms{{}, saved[first + 4], {}, {}, saved[first + 5], scale, dropout_p};
+  const DenseGeometry g{grad_output.size(0), grad_output.size(1), q.size(1), k.size(1)};
+  const int64_t dim = q.size(2);
+  const at::Tensor grad_out = grad_output.reshape({g.bsz * g.heads, g.tgt_len, dim});
+  // the weights that multiplied v, rebuilt from P
+  at::Tensor weights = probs;
+  if (terms.multiplier.defined()) weights = weights * terms.multiplier.view_as(probs);
+  if (terms.keep.defined()) weights = weights * terms.keep.view_as(probs) / (1.0 - dropout_p);
+  DenseGrads grads;
+  grads.v = at::bmm(weights.transpose(1, 2), grad_out).view({g.bsz, g.heads, g.src_len, dim});
+  at::Tensor grad = at::bmm(grad_out, v.transpose(1, 2));
+  if (terms.multiplier.defined()) grads.multiplier = at::empty_like(grad);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dense_attention_backward_cpu", [&] {
+    dense_backward_rows<scalar_t>(
+        g, terms, probs.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(),
+        grads.multiplier.defined() ? grads.multiplier.data_ptr<scalar_t>() : nullptr);
+  });
+  grads.q = at::bmm(grad, k).mul_(scale).view({g.bsz, g.heads, g.tgt_len, dim});
+  grads.k = at::bmm(grad.transpose(1, 2), q).mul_(scale).view({g.bsz, g.heads, g.src_len, dim});
+  const std::vector<int64_t> full{g.bsz, g.heads, g.tgt_len, g.src_len};
+  grads.logits = grad.view(full);
+  if (grads.multiplier.defined()) grads.multiplier = grads.multiplier.view(full);
+  return grads;
+}
+
 class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFunction> {
  public:
   enum { kQ, kK, kV, kBias, kMultiplier, kArgs = 10 };  // argument positions, for the gradients
@@ -976,7 +1041,7 @@ class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFu
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     DenseForward f = dense_forward(q, k, v, bias, multiplier, attn_mask, key_padding_mask,
                                    dropout_keep, scale, dropout_p);
-    ctx->save_for_backward({f.q, f.k, f.v, f.probs, f.terms.multiplier, f.terms.keep});
+    ctx->save_for_backward(dense_saved(f));
     ctx->saved_data["bias"] = f.terms.bias.defined();
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["dropout_p"] = dropout_p;
@@ -984,39 +1049,15 @@ class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFu
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &probs = saved[3];
-    DenseTerms terms{{}, saved[4], {}, {}, saved[5], ctx->saved_data["scale"].toDouble(),
-                     ctx->saved_data["dropout_p"].toDouble()};
-    const DenseGeometry g{grads[0].size(0), grads[0].size(1), q.size(1), k.size(1)};
-    const at::Tensor grad_out = grads[0].reshape({g.bsz * g.heads, g.tgt_len, q.size(2)});
-    // the weights that multiplied v, rebuilt from P
-    at::Tensor weights = probs;
-    if (terms.multiplier.defined()) weights = weights * terms.multiplier.view_as(probs);
-    if (terms.keep.defined()) {
-      weights = weights * terms.keep.view_as(probs) / (1.0 - terms.dropout_p);
-    }
+    const DenseGrads g =
+        dense_backward(ctx->get_saved_variables(), 0, ctx->saved_data["scale"].toDouble(),
+                       ctx->saved_data["dropout_p"].toDouble(), grads[0]);
     variable_list result(kArgs);
-    result[kV] = at::bmm(weights.transpose(1, 2), grad_out)
-                     .view({g.bsz, g.heads, g.src_len, q.size(2)});
-    at::Tensor grad = at::bmm(grad_out, v.transpose(1, 2));
-    at::Tensor grad_multiplier =
-        terms.multiplier.defined() ? at::empty_like(grad) : at::Tensor();
-    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dense_attention_backward_cpu", [&] {
-      dense_backward_rows<scalar_t>(
-          g, terms, probs.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(),
-          grad_multiplier.defined() ? grad_multiplier.data_ptr<scalar_t>() : nullptr);
-    });
-    const double scale = terms.scale;
-    result[kQ] = at::bmm(grad, k).mul_(scale).view({g.bsz, g.heads, g.tgt_len, q.size(2)});
-    result[kK] = at::bmm(grad.transpose(1, 2), q).mul_(scale).view(
-        {g.bsz, g.heads, g.src_len, q.size(2)});
-    if (ctx->saved_data["bias"].toBool()) {
-      result[kBias] = grad.view({g.bsz, g.heads, g.tgt_len, g.src_len});
-    }
-    if (grad_multiplier.defined()) {
-      result[kMultiplier] = grad_multiplier.view({g.bsz, g.heads, g.tgt_len, g.src_len});
-    }
+    result[kQ] = g.q;
+    result[kK] = g.k;
+    result[kV] = g.v;
+    if (ctx->saved_data["bias"].toBool()) result[kBias] = g.logits;
+    result[kMultiplier] = g.multiplier;
     return result;
   }
 };
@@ -1030,6 +1071,104 @@ at::Tensor dense_attention_autograd(const at::Tensor& q, const at::Tensor& k, co
                                     double dropout_p) {
   return DenseAttentionFunction::apply(q, k, v, bias, multiplier, attn_mask, key_padding_mask,
                                        dropout_keep, scale, dropout_p);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// A layer of Gaussian heads in one call: the Gaussian bias (plus any other additive term, such
+// as AW's) and the dense attention that takes it, under one autograd node: at translation
+// lengths the node, the dispatch and the (B, H, T, S) bias passed between two operators cost
+// more than the bias's arithmetic.
+
+class GaussianAttentionFunction : public torch::autograd::Function<GaussianAttentionFunction> {
+ public:
+  // argument positions, for the gradients
+  enum {
+    kQ, kK, kV, kQuery, kWp, kUp, kUd, kSpan, kLength, kPositions, kWindow, kWindowOffset,
+    kMinWindow, kBias, kMultiplier, kArgs = 20
+  };
+
+  static variable_list forward(
+      AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      const at::Tensor& query, const at::Tensor& w_p, const at::Tensor& u_p,
+      const c10::optional<at::Tensor>& u_d, const at::Tensor& span, const at::Tensor& length,
+      const at::Tensor& positions, const c10::optional<at::Tensor>& window,
+      double window_offset, double min_window, const c10::optional<at::Tensor>& bias,
+      const c10::optional<at::Tensor>& multiplier, const c10::optional<at::Tensor>& attn_mask,
+      const c10::optional<at::Tensor>& key_padding_mask,
+      const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    // the bias's "logits" are the other additive term: one (B, H, T, S) sum of both
+    LocalnessForward l = localness_forward(query, w_p, u_p, u_d, span, length, positions,
+                                           window, bias, window_offset, min_window);
+    DenseForward d = dense_forward(q, k, v, l.out, multiplier, attn_mask, key_padding_mask,
+                                   dropout_keep, scale, dropout_p);
+    std::vector<at::Tensor> saved = localness_saved(l, w_p, span, length, positions);
+    const std::vector<at::Tensor> attention = dense_saved(d);
+    saved.insert(saved.end(), attention.begin(), attention.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["query_shape"] = query.sizes().vec();
+    ctx->saved_data["window_given"] = window.has_value() && window->defined();
+    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["min_window"] = min_window;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->mark_non_differentiable({l.centre, l.window});
+    ctx->set_materialize_grads(false);  // P and D have none
+    return {d.out, l.centre, l.window};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(kArgs);
+    if (!grads[0].defined()) return result;
+    const variable_list saved = ctx->get_saved_variables();
+    const DenseGrads d =
+        dense_backward(saved, kLocalnessSaved, ctx->saved_data["scale"].toDouble(),
+                       ctx->saved_data["dropout_p"].toDouble(), grads[0]);
+    const LocalnessGrads l =
+        localness_backward(saved, ctx->saved_data["window_given"].toBool(),
+                           ctx->saved_data["min_window"].toDouble(), d.logits);
+    result[kQ] = d.q;
+    result[kK] = d.k;
+    result[kV] = d.v;
+    result[kQuery] = l.query2d.view(ctx->saved_data["query_shape"].toIntVector());
+    result[kWp] = l.w_p;
+    result[kUp] = l.u_p;
+    result[kUd] = l.u_d;
+    result[kWindow] = l.window;
+    if (ctx->saved_data["bias"].toBool()) result[kBias] = d.logits;  // weight 1
+    result[kMultiplier] = d.multiplier;
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_attention_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
+    const at::Tensor& w_p, const at::Tensor& u_p, const c10::optional<at::Tensor>& u_d,
+    const at::Tensor& span, const at::Tensor& length, const at::Tensor& positions,
+    const c10::optional<at::Tensor>& window, double window_offset, double min_window,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& multiplier,
+    const c10::optional<at::Tensor>& attn_mask, const c10::optional<at::Tensor>& key_padding_mask,
+    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
+  variable_list outputs = GaussianAttentionFunction::apply(
+      q, k, v, query, w_p, u_p, u_d, span, length, positions, window, window_offset, min_window,
+      bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale, dropout_p);
+  return {outputs[0], outputs[1], outputs[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_attention_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
+    const at::Tensor& w_p, const at::Tensor& u_p, const c10::optional<at::Tensor>& u_d,
+    const at::Tensor& span, const at::Tensor& length, const at::Tensor& positions,
+    const c10::optional<at::Tensor>& window, double window_offset, double min_window,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& multiplier,
+    const c10::optional<at::Tensor>& attn_mask, const c10::optional<at::Tensor>& key_padding_mask,
+    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
+  LocalnessForward l = localness_forward(query, w_p, u_p, u_d, span, length, positions, window,
+                                         bias, window_offset, min_window);
+  DenseForward d = dense_forward(q, k, v, l.out, multiplier, attn_mask, key_padding_mask,
+                                 dropout_keep, scale, dropout_p);
+  return {d.out, l.centre, l.window};
 }
 
 }  // namespace
@@ -1050,6 +1189,12 @@ TORCH_LIBRARY_FRAGMENT(local_attn, m) {
       "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? multiplier, "
       "Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
       "float dropout_p) -> Tensor");
+  m.def(
+      "gaussian_attention(Tensor q, Tensor k, Tensor v, Tensor query, Tensor w_p, Tensor u_p, "
+      "Tensor? u_d, Tensor span, Tensor length, Tensor positions, Tensor? window, "
+      "float window_offset, float min_window, Tensor? bias, Tensor? multiplier, "
+      "Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
+      "float dropout_p) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
@@ -1057,6 +1202,7 @@ TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
   m.impl("dynamic_window_mask", &dynamic_window_mask_cpu);
   m.impl("additive_window_term", &additive_window_term_cpu);
   m.impl("dense_attention", &dense_attention_cpu);
+  m.impl("gaussian_attention", &gaussian_attention_cpu);
 }
 
 TORCH_LIBRARY_IMPL(local_attn, Autograd, m) {
@@ -1064,6 +1210,7 @@ TORCH_LIBRARY_IMPL(local_attn, Autograd, m) {
   m.impl("dynamic_window_mask", &dynamic_window_mask_autograd);
   m.impl("additive_window_term", &additive_window_term_autograd);
   m.impl("dense_attention", &dense_attention_autograd);
+  m.impl("gaussian_attention", &gaussian_attention_autograd);
 }
 
 }  // namespace local_attn

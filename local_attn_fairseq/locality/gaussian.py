@@ -171,11 +171,12 @@ class GaussianLocalness(nn.Module):
         """The float32 bias G (bsz, heads, tgt_len, src_len), or ``logits + G`` in one fused
         operation when logits are given, with P and D (bsz, heads, tgt_len)."""
         bsz, src_len = k.size(0), k.size(1)
-        positions, real = real_key_positions(key_padding_mask, bsz, src_len, k.device)
         operands = (q,) if logits is None else (q, logits)
         if self.strategy != "layer" and mechanisms.cpu_operators_apply(*operands):
-            padded = key_padding_mask is not None
-            return self._forward_cpu_operator(q, real, positions, causal, logits, padded)
+            # one C++ call; P and D come back detached
+            inputs = self.operator_inputs(q, src_len, key_padding_mask, causal)
+            return mechanisms.gaussian_localness(inputs, logits)
+        positions, real = real_key_positions(key_padding_mask, bsz, src_len, k.device)
         centre, window = self.centres_and_windows(q, k, real, causal)
         # -(j - P)^2 / (2 sigma^2) with sigma = D / 2 is -(j - P)^2 * 2 / D^2
         scale = (-2.0 / window.clamp_min(MIN_WINDOW).square()).unsqueeze(-1)
@@ -184,14 +185,17 @@ class GaussianLocalness(nn.Module):
             return squared_offset * scale, centre, window
         return torch.addcmul(logits, squared_offset, scale), centre, window
 
-    def _forward_cpu_operator(self, q, real, positions, causal, logits, padded):
-        """:meth:`forward` in one C++ call (ops/mechanisms.py); P and D come back detached."""
-        if padded:
-            seen, span = query_lengths(real, causal, q.size(1), self.centre)
+    def operator_inputs(
+        self, q: Tensor, src_len: int, key_padding_mask: Optional[Tensor], causal: bool
+    ) -> mechanisms.GaussianInputs:
+        """This bias for queries q (bsz, tgt_len, dq) over src_len keys, as the C++ operators
+        take it (ops/mechanisms.py; not for the layer strategy, whose window reads the keys)."""
+        bsz, tgt_len = q.size(0), q.size(1)
+        positions, real = real_key_positions(key_padding_mask, bsz, src_len, q.device)
+        if key_padding_mask is None:
+            seen, span = _unpadded_lengths(bsz, src_len, tgt_len, causal, self.centre, q.device)
         else:
-            seen, span = _unpadded_lengths(
-                q.size(0), real.size(1), q.size(1), causal, self.centre, q.device
-            )
+            seen, span = query_lengths(real, causal, tgt_len, self.centre)
         window = u_d = None
         if self.strategy == "query":
             u_d = self.u_d.weight
@@ -200,10 +204,10 @@ class GaussianLocalness(nn.Module):
         else:
             window = _constant_windows(self.num_heads, self.fixed_window, q.device)
         offset = CODE_WINDOW_OFFSET if self.centre == "code" and window is None else 0.0
-        return mechanisms.gaussian_localness(
-            q, self.w_p.weight, self.u_p.weight, u_d, span, seen, positions, window, logits,
-            offset, MIN_WINDOW,
-        )
+        return mechanisms.GaussianInputs(
+            q, self.w_p.weight, self.u_p.weight, u_d, span, seen, positions, window, offset,
+            MIN_WINDOW,
+        )  # fmt: skip
 
 
 @cached_constants(maxsize=16)

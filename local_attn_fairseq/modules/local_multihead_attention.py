@@ -455,7 +455,7 @@ class LocalMultiheadAttention(nn.Module):
 
     def _add_localness(self, logits, q, k, key_padding_mask):
         """Add the Gaussian bias to the logits (bsz, heads, tgt, src) of the Gaussian heads."""
-        flat_q = q.transpose(1, 2).flatten(2)  # (bsz, tgt, groups * head_dim): the full query
+        flat_q = _full_query(q)
         # only the layer strategy reads the keys' values; the others their sizes (no copy)
         flat_k = k.transpose(1, 2)
         if self.localness.strategy == "layer":
@@ -527,12 +527,16 @@ class LocalMultiheadAttention(nn.Module):
         multipliers, dropout and the product with v in one C++ call (ops/mechanisms.py), as the
         explicit path computes them."""
         bsz, tgt_len, src_len = q.size(0), q.size(2), k.size(2)
-        bias = multiplier = None
+        bias = multiplier = gaussian = None
         if self.has_head_masks:
             masks = offset_mask(self.mask_bounds, tgt_len, src_len, q.device)
             multiplier = masks.to(q.dtype).expand(bsz, -1, -1, -1)
-        if self.localness is not None:
+        if self.localness is not None and self.localness.strategy == "layer":
             bias = self._add_localness(None, q, k, key_padding_mask)
+        elif self.localness is not None:  # the bias goes into the attention's own call
+            gaussian = self.localness.operator_inputs(
+                _full_query(q), src_len, key_padding_mask, self.causal
+            )
         if self.aw_term_in_one_call:
             local = self.dynamic_windows[0].additive_term(
                 query.transpose(0, 1), key_padding_mask, self.causal, window_keys["window0"],
@@ -549,13 +553,20 @@ class LocalMultiheadAttention(nn.Module):
         q, k = self._expand_groups(q), self._expand_groups(k)
         dropout_p = self._attention_dropout_p()
         shape = (bsz, self.num_heads, tgt_len, src_len)
-        return mechanisms.dense_attention(
-            q, k, v, bias, multiplier,
+        rest = (
             None if attn_mask is None else attn_mask.to(q.dtype),
             None if key_padding_mask is None else key_padding_mask.to(torch.bool),
             draw_dropout_keep(shape, dropout_p, q.device),
             self.scaling, dropout_p,
         )  # fmt: skip
+        if gaussian is None:
+            return mechanisms.dense_attention(q, k, v, bias, multiplier, *rest)
+        out, centre, window = mechanisms.gaussian_attention(
+            q, k, v, gaussian, bias, multiplier, *rest
+        )
+        if self.record_localness:
+            self.last_localness = (centre, window)
+        return out
 
     # -- local and band heads without a T x T matrix ------------------------------------------
     def _needs_no_matrix(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
@@ -778,3 +789,9 @@ class LocalMultiheadAttention(nn.Module):
     def extra_repr(self):
         heads = " ".join(s.token for s in self.head_specs)
         return f"layer={self.layer_index}, heads=[{heads}]"
+
+
+def _full_query(q: Tensor) -> Tensor:
+    """(bsz, groups, tgt, head_dim) -> (bsz, tgt, groups * head_dim): the whole query vector,
+    which Yang et al.'s W_p reads."""
+    return q.transpose(1, 2).flatten(2)

@@ -3,13 +3,15 @@ and the dense attention that takes their terms.
 
 At the lengths where translation trains, Yang et al.'s Gaussian bias and Nguyen et al.'s
 window masks are dozens of small PyTorch operations a call, each with its autograd node, and
-cost more than the attention they modify. Three operators of the banded attention's extension
+cost more than the attention they modify. Five operators of the banded attention's extension
 (csrc/mechanisms_cpu.cpp) compute them in one call forward and one backward each:
 ``gaussian_localness`` (the bias), ``dynamic_window_mask`` (the pointers and the mask M),
 ``additive_window_term`` (M times the additive window's local scores, for a layer whose every
-head is an AW head) and ``dense_attention`` (softmax of the logits plus an additive term, times
-a multiplier, dropout, times v). ``locality/gaussian.py``, ``locality/dynamic_window.py`` and
-``LocalMultiheadAttention`` define the computations and call these operators when
+head is an AW head), ``dense_attention`` (softmax of the logits plus an additive term, times a
+multiplier, dropout, times v) and ``gaussian_attention`` (the Gaussian bias and the dense
+attention in one call, for a layer whose every head is a Gaussian head).
+``locality/gaussian.py``, ``locality/dynamic_window.py`` and ``LocalMultiheadAttention``
+define the computations and call these operators when
 :func:`cpu_operators_apply`; everywhere else (GPUs, half precision, an unbuilt extension,
 ``torch.compile``) they compute them in PyTorch, with the same results.
 
@@ -18,7 +20,7 @@ the operators where they apply).
 """
 
 import os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -59,26 +61,35 @@ def cpu_operators_apply(*tensors: Tensor) -> bool:
     return _operators_built()
 
 
+class GaussianInputs(NamedTuple):
+    """What the Gaussian bias's operators read (locality/gaussian.py's definitions): the queries
+    (B, T, d), W_p (d, d), U_p (H, d), and U_d (H, d) for windows from the queries (the query
+    strategy) or the windows (H,) (the fixed and head strategies), never both; the span P may
+    reach and the real length I, each (B, T); the keys' positions among the real keys (B, S);
+    the offset added to windows from U_d and the smallest window."""
+
+    query: Tensor
+    w_p: Tensor
+    u_p: Tensor
+    u_d: Optional[Tensor]
+    span: Tensor
+    length: Tensor
+    positions: Tensor
+    window: Optional[Tensor]
+    window_offset: float
+    min_window: float
+
+
 def gaussian_localness(
-    query: Tensor,
-    w_p: Tensor,
-    u_p: Tensor,
-    u_d: Optional[Tensor],
-    span: Tensor,
-    length: Tensor,
-    positions: Tensor,
-    window: Optional[Tensor],
-    logits: Optional[Tensor],
-    window_offset: float,
-    min_window: float,
+    gaussian: GaussianInputs, logits: Optional[Tensor]
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """``logits + G`` (or G alone when logits is None), the centres P and the windows D
-    (locality/gaussian.py's definitions). query (B, T, d); the windows come from U_d (the
-    query strategy) or are given, ``window`` (H,), never both; span, length (B, T); positions
-    (B, S). P and D come back detached."""
+    """``logits + G`` (or G alone when logits is None), the centres P and the windows D, each
+    (B, H, T) and detached."""
+    g = gaussian
     return torch.ops.local_attn.gaussian_localness(
-        query, w_p, u_p, u_d, span, length, positions, window, logits, window_offset, min_window
-    )
+        g.query, g.w_p, g.u_p, g.u_d, g.span, g.length, g.positions, g.window, logits,
+        g.window_offset, g.min_window,
+    )  # fmt: skip
 
 
 def dynamic_window_mask(
@@ -127,6 +138,27 @@ def _window_geometry(visible, real, segment_bounds):
         visible = visible.view(*([1] * (4 - visible.dim())), *visible.shape)
     start, end = segment_bounds if segment_bounds is not None else (None, None)
     return visible, real, start, end
+
+
+def gaussian_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gaussian: GaussianInputs,
+    bias: Optional[Tensor],
+    multiplier: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    dropout_keep: Optional[Tensor],
+    scale: float,
+    dropout_p: float,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`dense_attention` with the Gaussian bias G of ``gaussian`` added to ``bias`` (or
+    alone), in one call; with the centres P and the windows D (B, H, T), detached."""
+    return torch.ops.local_attn.gaussian_attention(
+        q, k, v, *gaussian, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
+        dropout_p,
+    )  # fmt: skip
 
 
 def dense_attention(

@@ -46,10 +46,60 @@ def test_gaussian_localness_gradients(given_window, logits, causal):
     bias_logits = torch.randn(B, H, tgt, S, **dbl) if logits else None
 
     def bias(*args):
-        return mechanisms.gaussian_localness(*args, 0.1, 1e-4)[0]
+        *inputs, logits = args
+        return mechanisms.gaussian_localness(gaussian_inputs(*inputs), logits)[0]
 
     args = (query, w_p, u_p, u_d, seen - 1, seen, positions, window, bias_logits)
     assert torch.autograd.gradcheck(bias, args)
+
+
+def gaussian_inputs(*tensors):
+    return mechanisms.GaussianInputs(*tensors, window_offset=0.1, min_window=1e-4)
+
+
+@pytest.mark.parametrize(
+    "given_window, extra_bias, pad, causal",
+    [(False, False, False, False), (True, True, True, False), (False, True, True, True),
+     (True, False, False, True)],
+)  # fmt: skip
+def test_gaussian_attention_gradients(given_window, extra_bias, pad, causal):
+    """The Gaussian bias and the attention in one call: the gradients, and the same values as
+    the two operators one after the other."""
+    torch.manual_seed(0)
+    tgt = S if causal else T
+    dbl = dict(dtype=torch.float64, requires_grad=True)
+    q = torch.randn(B, H, tgt, 3, **dbl)
+    k, v = torch.randn(B, H, S, 3, **dbl), torch.randn(B, H, S, 3, **dbl)
+    query = torch.randn(B, tgt, DIM, **dbl)
+    w_p, u_p = torch.randn(DIM, DIM, **dbl), torch.randn(H, DIM, **dbl)
+    u_d = None if given_window else torch.randn(H, DIM, **dbl)
+    window = torch.rand(H, **dbl) * 4 + 0.5 if given_window else None
+    # the second sentence is all padding: its queries have no key
+    key_padding_mask = padding(B, S, [(0, slice(0, 1)), (1, slice(None))]) if pad else None
+    real = torch.ones(B, S, dtype=torch.float64)
+    if pad:
+        real = (~key_padding_mask).double()
+    positions = real.cumsum(-1) - 1
+    seen = real.cumsum(-1)[:, S - tgt :] if causal else real.sum(-1, keepdim=True).expand(-1, tgt)
+    future = torch.triu(torch.full((tgt, S), float("-inf"), dtype=torch.float64), 1 + S - tgt)
+    attn_mask = future if causal else None
+    extra = torch.randn(B, H, tgt, S, **dbl) if extra_bias else None
+    keep = torch.rand(B, H, tgt, S) >= 0.3
+    rest = (attn_mask, key_padding_mask, keep, 0.7, 0.3)
+
+    def attention(q, k, v, query, w_p, u_p, *optional):
+        it = iter(optional)
+        u_d_, window_, extra_ = (next(it) if t is not None else None for t in (u_d, window, extra))
+        inputs = gaussian_inputs(query, w_p, u_p, u_d_, seen, seen, positions, window_)
+        return mechanisms.gaussian_attention(q, k, v, inputs, extra_, None, *rest)[0]
+
+    optional = [t for t in (u_d, window, extra) if t is not None]
+    args = (q, k, v, query, w_p, u_p, *optional)
+    assert torch.autograd.gradcheck(attention, args)
+    inputs = gaussian_inputs(query, w_p, u_p, u_d, seen, seen, positions, window)
+    bias = mechanisms.gaussian_localness(inputs, extra)[0]
+    expected = mechanisms.dense_attention(q, k, v, bias, None, *rest)
+    torch.testing.assert_close(attention(*args), expected)
 
 
 @pytest.mark.parametrize(
@@ -247,13 +297,17 @@ def test_module_with_terms_operator_matches_pytorch(monkeypatch, layout, causal)
     pad = padding(3, 6, [(0, slice(0, 2)), (2, slice(None))])
     future = torch.triu(torch.full((6, 6), float("-inf")), 1) if causal else None
     calls = count_operator_calls(monkeypatch)
+    gaussian_calls = count_operator_calls(monkeypatch, "gaussian_attention")
     aw_calls = count_operator_calls(monkeypatch, "additive_window_term")
 
     def forward():
         return attn(x, x, x, key_padding_mask=pad, need_weights=False, attn_mask=future)[0]
 
     assert_same_on_both_routes(monkeypatch, forward, [x, *attn.parameters()])
-    assert calls == [1]  # the "torch" route did not call it
+    # one call for the attention (the "torch" route made none): a layer of Gaussian heads
+    # takes its bias in the same call
+    gaussian = "gaussian" in layout
+    assert (len(calls), len(gaussian_calls)) == ((0, 1) if gaussian else (1, 0))
     # layers of AW heads in one window group take their term from one call
     assert len(aw_calls) == int(layout.startswith("aw"))
     out = forward()
@@ -266,7 +320,8 @@ def test_module_decodes_step_by_step_through_the_operators(monkeypatch, layout):
     x = torch.randn(5, 2, E)
     future = torch.triu(torch.full((5, 5), float("-inf")), 1)
     full = attn(x, x, x, need_weights=False, attn_mask=future)[0]
-    calls = count_operator_calls(monkeypatch)
+    operator = {"gaussian": "gaussian_attention", "aw": "dense_attention"}[layout]
+    calls = count_operator_calls(monkeypatch, operator)
     steps = decode_step_by_step(attn, x, need_weights=False)  # as fairseq's decoder calls it
     torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
     assert len(calls) == x.size(0)  # every step through the operator
@@ -307,9 +362,11 @@ def test_operators_refuse_bad_input():
         mechanisms.dense_attention(half, half, half, None, None, None, None, None, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="not both"):
         w = torch.randn(DIM, DIM)
-        mechanisms.gaussian_localness(torch.randn(B, T, DIM), w, torch.randn(H, DIM), None,
-                                      torch.ones(B, T), torch.ones(B, T), torch.zeros(B, S),
-                                      None, None, 0.0, 1e-4)  # fmt: skip
+        inputs = mechanisms.GaussianInputs(
+            torch.randn(B, T, DIM), w, torch.randn(H, DIM), None, torch.ones(B, T),
+            torch.ones(B, T), torch.zeros(B, S), None, 0.0, 1e-4,
+        )  # fmt: skip
+        mechanisms.gaussian_localness(inputs, None)
 
 
 def test_the_switch_keeps_every_call_in_pytorch(monkeypatch):
@@ -335,5 +392,21 @@ def test_aw_layer_records_the_pointers_it_used(monkeypatch):
         attn.dynamic_windows[0].record = True
         attn(x, x, x, key_padding_mask=pad, need_weights=False)
         recorded[impl] = attn.dynamic_windows[0].last_pointers
+    for ours, ref in zip(recorded["auto"], recorded["torch"]):
+        torch.testing.assert_close(ours, ref)
+
+
+def test_gaussian_layer_records_its_centres_and_windows(monkeypatch):
+    """The analysis reads the centres and windows of the one-call Gaussian layer as of the
+    PyTorch route."""
+    attn = module("gaussian").eval()
+    attn.record_localness = True
+    x = torch.randn(6, 2, E)
+    pad = padding(2, 6, [(0, slice(0, 2))])
+    recorded = {}
+    for impl in ("auto", "torch"):
+        monkeypatch.setenv(mechanisms.IMPL_ENV, impl)
+        attn(x, x, x, key_padding_mask=pad, need_weights=False)
+        recorded[impl] = attn.last_localness
     for ours, ref in zip(recorded["auto"], recorded["torch"]):
         torch.testing.assert_close(ours, ref)
