@@ -705,6 +705,47 @@ LocalScores local_scores(const WindowForward& f, const at::Tensor& local_w,
   return s;
 }
 
+// What the backward of AW's term reads, as its forward saves it: window_saved's, then these.
+std::vector<at::Tensor> additive_saved(const WindowForward& f, const at::Tensor& w_q,
+                                       const WindowInputs& in, const at::Tensor& local_w,
+                                       const LocalScores& s) {
+  std::vector<at::Tensor> saved = window_saved(f, w_q, in);
+  saved.insert(saved.end(), {local_w, s.local_q, s.local_k, s.scores, f.mask});
+  return saved;
+}
+constexpr size_t kAdditiveSaved = kWindowSaved + 5;
+
+struct AdditiveGrads {
+  WindowGrads window;  // its d query includes the local projection's
+  at::Tensor local_w, local_b, local_keys;  // d local keys as (B H, S, d_l)
+};
+
+// The gradients of AW's term's inputs from that of the term, with what additive_saved kept.
+AdditiveGrads additive_window_backward(const variable_list& saved, bool biased, double scale,
+                                       const at::Tensor& grad_term) {
+  const at::Tensor &local_w = saved[kWindowSaved], &local_q = saved[kWindowSaved + 1],
+                   &local_k = saved[kWindowSaved + 2], &scores = saved[kWindowSaved + 3],
+                   &mask = saved[kWindowSaved + 4];
+  const at::Tensor grad = grad_term.contiguous();
+  const int64_t bsz = mask.size(0), heads = mask.size(1), tgt_len = mask.size(2),
+                src_len = mask.size(3), local_dim = local_q.size(2);
+  // term = scores * M: back to the scores (then the local Q and K) and to the mask
+  const at::Tensor grad_scores = (grad * mask).view({bsz * heads, tgt_len, src_len});
+  AdditiveGrads grads;
+  grads.local_keys = at::bmm(grad_scores.transpose(1, 2), local_q);
+  const at::Tensor grad_local_q = at::bmm(grad_scores, local_k)
+                                      .mul_(scale)
+                                      .view({bsz, heads, tgt_len, local_dim})
+                                      .transpose(1, 2)
+                                      .reshape({bsz * tgt_len, heads * local_dim});
+  grads.window = window_backward(saved, grad * scores);
+  const at::Tensor& query2d = saved[0];
+  grads.local_w = at::mm(grad_local_q.t(), query2d);
+  if (biased) grads.local_b = grad_local_q.sum(0);
+  grads.window.query2d.addmm_(grad_local_q, local_w);
+  return grads;
+}
+
 class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFunction> {
  public:
   // argument positions, for the gradients
@@ -725,10 +766,7 @@ class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFu
     const WindowGeometry& g = in.geometry;
     LocalScores s = local_scores(f, local_w, local_b, local_keys, scale, g.bsz, g.heads,
                                  g.tgt_len);
-    const at::Tensor term = s.scores * f.mask;
-    std::vector<at::Tensor> saved = window_saved(f, w_q, in);
-    saved.insert(saved.end(), {local_w, s.local_q, s.local_k, s.scores, f.mask});
-    ctx->save_for_backward(saved);
+    ctx->save_for_backward(additive_saved(f, w_q, in, local_w, s));
     ctx->saved_data["query_shape"] = query.sizes().vec();
     ctx->saved_data["keys_shape"] = keys.sizes().vec();
     ctx->saved_data["local_keys_shape"] = local_keys.sizes().vec();
@@ -736,36 +774,21 @@ class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFu
     ctx->saved_data["scale"] = scale;
     ctx->mark_non_differentiable({f.phi});
     ctx->set_materialize_grads(false);  // the pointers have none
-    return {term, f.phi};
+    return {s.scores * f.mask, f.phi};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list result(kArgs);
     if (!grads[0].defined()) return result;
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &local_w = saved[kWindowSaved], &local_q = saved[kWindowSaved + 1],
-                     &local_k = saved[kWindowSaved + 2], &scores = saved[kWindowSaved + 3],
-                     &mask = saved[kWindowSaved + 4];
-    const at::Tensor grad = grads[0].contiguous();
-    const int64_t bsz = mask.size(0), heads = mask.size(1), tgt_len = mask.size(2),
-                  src_len = mask.size(3), local_dim = local_q.size(2);
-    // term = scores * M: back to the scores (then the local Q and K) and to the mask
-    const at::Tensor grad_scores = (grad * mask).view({bsz * heads, tgt_len, src_len});
-    result[kLocalKeys] = at::bmm(grad_scores.transpose(1, 2), local_q)
-                             .view(ctx->saved_data["local_keys_shape"].toIntVector());
-    const at::Tensor grad_local_q = at::bmm(grad_scores, local_k)
-                                        .mul_(ctx->saved_data["scale"].toDouble())
-                                        .view({bsz, heads, tgt_len, local_dim})
-                                        .transpose(1, 2)
-                                        .reshape({bsz * tgt_len, heads * local_dim});
-    const WindowGrads g = window_backward(saved, grad * scores);
-    result[kKeys] = g.keys.view(ctx->saved_data["keys_shape"].toIntVector());
-    result[kWq] = g.w_q;
-    const at::Tensor& query2d = saved[0];
-    result[kLocalW] = at::mm(grad_local_q.t(), query2d);
-    if (ctx->saved_data["biased"].toBool()) result[kLocalB] = grad_local_q.sum(0);
-    result[kQuery] = g.query2d.addmm_(grad_local_q, local_w)
-                         .view(ctx->saved_data["query_shape"].toIntVector());
+    const AdditiveGrads g = additive_window_backward(
+        ctx->get_saved_variables(), ctx->saved_data["biased"].toBool(),
+        ctx->saved_data["scale"].toDouble(), grads[0]);
+    result[kQuery] = g.window.query2d.view(ctx->saved_data["query_shape"].toIntVector());
+    result[kWq] = g.window.w_q;
+    result[kKeys] = g.window.keys.view(ctx->saved_data["keys_shape"].toIntVector());
+    result[kLocalW] = g.local_w;
+    result[kLocalB] = g.local_b;
+    result[kLocalKeys] = g.local_keys.view(ctx->saved_data["local_keys_shape"].toIntVector());
     return result;
   }
 };
@@ -1171,6 +1194,167 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_attention_cpu(
   return {d.out, l.centre, l.window};
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// A layer of dynamic-window heads of one window in one call: the pointers and M, then the dense
+// attention with M among its multipliers (MW) or AW's term s_loc * M among its additive terms,
+// under one autograd node.
+
+struct WindowAttention {
+  at::Tensor out, phi;
+  std::vector<at::Tensor> saved;  // the window's (and AW's), then the attention's
+};
+
+WindowAttention window_attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
+    const at::Tensor& w_q, const at::Tensor& keys, const c10::optional<at::Tensor>& visible,
+    const c10::optional<at::Tensor>& real, const c10::optional<at::Tensor>& segment_start,
+    const c10::optional<at::Tensor>& segment_end, const c10::optional<at::Tensor>& local_w,
+    const c10::optional<at::Tensor>& local_b, const c10::optional<at::Tensor>& local_keys,
+    double local_scale, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& multiplier, const c10::optional<at::Tensor>& attn_mask,
+    const c10::optional<at::Tensor>& key_padding_mask,
+    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
+  auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  const bool additive = given(local_w);
+  TORCH_CHECK(additive == given(local_keys), "local_attn::window_attention: give local_w and "
+              "local_keys (the additive window) or neither (the multiplicative one)");
+  const WindowInputs in = window_inputs(query, keys, visible, real, segment_start, segment_end);
+  WindowForward f = window_forward(query, w_q, keys, in);
+  WindowAttention result;
+  result.phi = f.phi;
+  c10::optional<at::Tensor> bias_total = bias, multiplier_total = multiplier;
+  if (additive) {
+    const WindowGeometry& g = in.geometry;
+    LocalScores s = local_scores(f, *local_w, local_b, *local_keys, local_scale, g.bsz, g.heads,
+                                 g.tgt_len);
+    at::Tensor term = s.scores * f.mask;
+    bias_total = given(bias) ? term.add_(*bias) : term;
+    result.saved = additive_saved(f, w_q, in, *local_w, s);
+  } else {
+    multiplier_total = given(multiplier) ? f.mask * *multiplier : f.mask;
+    result.saved = window_saved(f, w_q, in);
+    result.saved.insert(result.saved.end(),
+                        {given(multiplier) ? *multiplier : at::Tensor(), f.mask});
+  }
+  DenseForward d = dense_forward(q, k, v, bias_total, multiplier_total, attn_mask,
+                                 key_padding_mask, dropout_keep, scale, dropout_p);
+  const std::vector<at::Tensor> attention = dense_saved(d);
+  result.saved.insert(result.saved.end(), attention.begin(), attention.end());
+  result.out = d.out;
+  return result;
+}
+constexpr size_t kMultiplicativeSaved = kWindowSaved + 2;
+
+class WindowAttentionFunction : public torch::autograd::Function<WindowAttentionFunction> {
+ public:
+  // argument positions, for the gradients
+  enum {
+    kQ, kK, kV, kQuery, kWq, kKeys, kLocalW = 10, kLocalB, kLocalKeys, kBias = 14, kMultiplier,
+    kArgs = 21
+  };
+
+  static variable_list forward(
+      AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
+      const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
+      const c10::optional<at::Tensor>& segment_start,
+      const c10::optional<at::Tensor>& segment_end, const c10::optional<at::Tensor>& local_w,
+      const c10::optional<at::Tensor>& local_b, const c10::optional<at::Tensor>& local_keys,
+      double local_scale, const c10::optional<at::Tensor>& bias,
+      const c10::optional<at::Tensor>& multiplier, const c10::optional<at::Tensor>& attn_mask,
+      const c10::optional<at::Tensor>& key_padding_mask,
+      const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    WindowAttention w = window_attention_forward(
+        q, k, v, query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b,
+        local_keys, local_scale, bias, multiplier, attn_mask, key_padding_mask, dropout_keep,
+        scale, dropout_p);
+    ctx->save_for_backward(w.saved);
+    const bool additive = local_w.has_value() && local_w->defined();
+    ctx->saved_data["additive"] = additive;
+    ctx->saved_data["query_shape"] = query.sizes().vec();
+    ctx->saved_data["keys_shape"] = keys.sizes().vec();
+    if (additive) ctx->saved_data["local_keys_shape"] = local_keys->sizes().vec();
+    ctx->saved_data["biased"] = local_b.has_value() && local_b->defined();
+    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["local_scale"] = local_scale;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->mark_non_differentiable({w.phi});
+    ctx->set_materialize_grads(false);  // the pointers have none
+    return {w.out, w.phi};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(kArgs);
+    if (!grads[0].defined()) return result;
+    const variable_list saved = ctx->get_saved_variables();
+    const bool additive = ctx->saved_data["additive"].toBool();
+    const DenseGrads d = dense_backward(
+        saved, additive ? kAdditiveSaved : kMultiplicativeSaved,
+        ctx->saved_data["scale"].toDouble(), ctx->saved_data["dropout_p"].toDouble(), grads[0]);
+    result[kQ] = d.q;
+    result[kK] = d.k;
+    result[kV] = d.v;
+    if (ctx->saved_data["bias"].toBool()) result[kBias] = d.logits;  // weight 1
+    WindowGrads window;
+    if (additive) {  // AW's term is among the additive terms, weight 1
+      AdditiveGrads a = additive_window_backward(saved, ctx->saved_data["biased"].toBool(),
+                                                 ctx->saved_data["local_scale"].toDouble(),
+                                                 d.logits);
+      window = a.window;
+      result[kLocalW] = a.local_w;
+      result[kLocalB] = a.local_b;
+      result[kLocalKeys] =
+          a.local_keys.view(ctx->saved_data["local_keys_shape"].toIntVector());
+      result[kMultiplier] = d.multiplier;
+    } else {  // the multipliers' product: M times the given one
+      const at::Tensor &given = saved[kWindowSaved], &mask = saved[kWindowSaved + 1];
+      window = window_backward(saved, given.defined() ? d.multiplier * given : d.multiplier);
+      if (given.defined()) result[kMultiplier] = d.multiplier * mask;
+    }
+    result[kQuery] = window.query2d.view(ctx->saved_data["query_shape"].toIntVector());
+    result[kWq] = window.w_q;
+    result[kKeys] = window.keys.view(ctx->saved_data["keys_shape"].toIntVector());
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> window_attention_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
+    const at::Tensor& w_q, const at::Tensor& keys, const c10::optional<at::Tensor>& visible,
+    const c10::optional<at::Tensor>& real, const c10::optional<at::Tensor>& segment_start,
+    const c10::optional<at::Tensor>& segment_end, const c10::optional<at::Tensor>& local_w,
+    const c10::optional<at::Tensor>& local_b, const c10::optional<at::Tensor>& local_keys,
+    double local_scale, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& multiplier, const c10::optional<at::Tensor>& attn_mask,
+    const c10::optional<at::Tensor>& key_padding_mask,
+    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
+  variable_list outputs = WindowAttentionFunction::apply(
+      q, k, v, query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b,
+      local_keys, local_scale, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
+      dropout_p);
+  return {outputs[0], outputs[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> window_attention_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
+    const at::Tensor& w_q, const at::Tensor& keys, const c10::optional<at::Tensor>& visible,
+    const c10::optional<at::Tensor>& real, const c10::optional<at::Tensor>& segment_start,
+    const c10::optional<at::Tensor>& segment_end, const c10::optional<at::Tensor>& local_w,
+    const c10::optional<at::Tensor>& local_b, const c10::optional<at::Tensor>& local_keys,
+    double local_scale, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& multiplier, const c10::optional<at::Tensor>& attn_mask,
+    const c10::optional<at::Tensor>& key_padding_mask,
+    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
+  WindowAttention w = window_attention_forward(
+      q, k, v, query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b,
+      local_keys, local_scale, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
+      dropout_p);
+  return {w.out, w.phi};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(local_attn, m) {
@@ -1195,6 +1379,12 @@ TORCH_LIBRARY_FRAGMENT(local_attn, m) {
       "float window_offset, float min_window, Tensor? bias, Tensor? multiplier, "
       "Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
       "float dropout_p) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "window_attention(Tensor q, Tensor k, Tensor v, Tensor query, Tensor w_q, Tensor keys, "
+      "Tensor? visible, Tensor? real, Tensor? segment_start, Tensor? segment_end, "
+      "Tensor? local_w, Tensor? local_b, Tensor? local_keys, float local_scale, Tensor? bias, "
+      "Tensor? multiplier, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, "
+      "float scale, float dropout_p) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
@@ -1203,6 +1393,7 @@ TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
   m.impl("additive_window_term", &additive_window_term_cpu);
   m.impl("dense_attention", &dense_attention_cpu);
   m.impl("gaussian_attention", &gaussian_attention_cpu);
+  m.impl("window_attention", &window_attention_cpu);
 }
 
 TORCH_LIBRARY_IMPL(local_attn, Autograd, m) {
@@ -1211,6 +1402,7 @@ TORCH_LIBRARY_IMPL(local_attn, Autograd, m) {
   m.impl("additive_window_term", &additive_window_term_autograd);
   m.impl("dense_attention", &dense_attention_autograd);
   m.impl("gaussian_attention", &gaussian_attention_autograd);
+  m.impl("window_attention", &window_attention_autograd);
 }
 
 }  // namespace local_attn

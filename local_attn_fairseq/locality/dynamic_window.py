@@ -304,22 +304,18 @@ class DynamicWindow(nn.Module):
             self.check_inputs(query, key, key_padding_mask, causal)
             projected_keys = self.project_keys(key)
         if mechanisms.cpu_operators_apply(query, projected_keys, self.query_pointers.weight):
-            mask, phi = self._mask_by_cpu_operator(
-                query, key_padding_mask, causal, projected_keys
-            )
+            window = self.operator_inputs(query, key_padding_mask, causal, projected_keys)
+            mask, phi = mechanisms.dynamic_window_mask(window)
         else:
             phi = self._stacked_pointers(query, key, key_padding_mask, causal, projected_keys)
             mask = stacked_window_mask(phi, self.segment_size, key_padding_mask)
-        if self.record:
-            self.last_pointers = tuple(p.detach() for p in phi.chunk(2, dim=1))
+        self.keep_pointers(phi)
         return mask
 
-    def _mask_by_cpu_operator(self, query, key_padding_mask, causal, projected_keys):
-        """M and the (detached) stacked pointers in one C++ call (ops/mechanisms.py)."""
-        geometry = self._operator_geometry(query, key_padding_mask, causal, projected_keys)
-        return mechanisms.dynamic_window_mask(
-            query, self.query_pointers.weight, projected_keys, *geometry
-        )
+    def keep_pointers(self, phi: Tensor):
+        """Keeps phi_l and phi_r (stacked, as the operators give them) where ``record`` asks."""
+        if self.record:
+            self.last_pointers = tuple(p.detach() for p in phi.chunk(2, dim=1))
 
     def additive_term(
         self,
@@ -327,25 +323,25 @@ class DynamicWindow(nn.Module):
         key_padding_mask: Optional[Tensor],
         causal: bool,
         projected_keys: Tensor,
-        local_q_proj: nn.Linear,
-        local_keys: Tensor,
-        scale: float,
+        local: mechanisms.LocalScoreInputs,
     ) -> Tensor:
         """The additive window's term s_loc * M (Eqs. 14-16) of every head, float32 (bsz,
-        heads, tgt_len, src_len), with s_loc = scale (query local_q_proj) local_keys^T per head:
-        the mask and the local scores in one C++ call (ops/mechanisms.py), for float32 CPU
-        tensors (:func:`mechanisms.cpu_operators_apply`)."""
-        geometry = self._operator_geometry(query, key_padding_mask, causal, projected_keys)
-        term, phi = mechanisms.additive_window_term(
-            query, self.query_pointers.weight, projected_keys, *geometry,
-            local_q_proj.weight, local_q_proj.bias, local_keys, scale,
-        )  # fmt: skip
-        if self.record:
-            self.last_pointers = tuple(phi.chunk(2, dim=1))
+        heads, tgt_len, src_len): the mask and the local scores in one C++ call
+        (ops/mechanisms.py), for float32 CPU tensors (:func:`mechanisms.cpu_operators_apply`)."""
+        window = self.operator_inputs(query, key_padding_mask, causal, projected_keys)
+        term, phi = mechanisms.additive_window_term(window, local)
+        self.keep_pointers(phi)
         return term
 
-    def _operator_geometry(self, query, key_padding_mask, causal, projected_keys):
-        """The window operators' visible keys, real keys and segment bounds."""
+    def operator_inputs(
+        self,
+        query: Tensor,
+        key_padding_mask: Optional[Tensor],
+        causal: bool,
+        projected_keys: Tensor,
+    ) -> mechanisms.WindowInputs:
+        """This window for query (bsz, tgt_len, query_dim) and the projected keys, as the C++
+        operators take it (ops/mechanisms.py)."""
         bsz, tgt_len, src_len = query.size(0), query.size(1), projected_keys.size(2)
         self.check_causal(causal, tgt_len, src_len)
         visible = self.visible_keys(key_padding_mask, causal, bsz, tgt_len, src_len)
@@ -354,7 +350,9 @@ class DynamicWindow(nn.Module):
             real = real_keys(key_padding_mask, bsz, src_len, query.device)
         if self.segment_size is not None:
             bounds = segment_bounds(real, self.segment_size)
-        return visible, real, bounds
+        return mechanisms.window_inputs(
+            query, self.query_pointers.weight, projected_keys, visible, real, bounds
+        )
 
     def check_inputs(self, query, key, key_padding_mask, causal):
         if query.dim() != 3 or key.dim() != 3 or query.size(0) != key.size(0):

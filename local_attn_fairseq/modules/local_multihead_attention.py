@@ -249,9 +249,11 @@ class LocalMultiheadAttention(nn.Module):
         every_head = list(range(self.num_heads))
         self.aw_covers_all_heads = order == every_head and len(aw) == self.num_heads
         self.mw_covers_all_heads = order == every_head and len(mw) == self.num_heads
-        # AW heads only, one window group: the operator with every head's terms takes their
-        # mask and local scores from one C++ call
-        self.aw_term_in_one_call = self.aw_covers_all_heads and len(self.window_groups) == 1
+        # every head an AW head, or every head an MW head, of one window: on the CPU, the
+        # window's mask (or AW's term) comes from the attention's own C++ call
+        self.single_window = len(self.window_groups) == 1 and (
+            self.aw_covers_all_heads or self.mw_covers_all_heads
+        )
         width = len(aw) * self.head_dim
         self.local_q_proj = nn.Linear(self.embed_dim, width, bias=bias) if aw else None
         self.local_k_proj = nn.Linear(self.kdim, width, bias=bias) if aw else None
@@ -527,7 +529,7 @@ class LocalMultiheadAttention(nn.Module):
         multipliers, dropout and the product with v in one C++ call (ops/mechanisms.py), as the
         explicit path computes them."""
         bsz, tgt_len, src_len = q.size(0), q.size(2), k.size(2)
-        bias = multiplier = gaussian = None
+        bias = multiplier = gaussian = window = local = None
         if self.has_head_masks:
             masks = offset_mask(self.mask_bounds, tgt_len, src_len, q.device)
             multiplier = masks.to(q.dtype).expand(bsz, -1, -1, -1)
@@ -537,12 +539,25 @@ class LocalMultiheadAttention(nn.Module):
             gaussian = self.localness.operator_inputs(
                 _full_query(q), src_len, key_padding_mask, self.causal
             )
-        if self.aw_term_in_one_call:
-            local = self.dynamic_windows[0].additive_term(
-                query.transpose(0, 1), key_padding_mask, self.causal, window_keys["window0"],
-                self.local_q_proj, window_keys["local_key"], self.scaling,
-            )  # fmt: skip
-            bias = local if bias is None else bias + local
+        if self.single_window:
+            pointers = self.dynamic_windows[0]
+            window = pointers.operator_inputs(
+                query.transpose(0, 1), key_padding_mask, self.causal, window_keys["window0"]
+            )
+            if self.aw_covers_all_heads:
+                local = mechanisms.LocalScoreInputs(
+                    self.local_q_proj.weight, self.local_q_proj.bias, window_keys["local_key"],
+                    self.scaling,
+                )  # fmt: skip
+            if gaussian is not None:  # the window's term joins the Gaussian layer's call
+                if local is not None:
+                    term, phi = mechanisms.additive_window_term(window, local)
+                    bias = term if bias is None else bias + term
+                else:
+                    mask, phi = mechanisms.dynamic_window_mask(window)
+                    multiplier = mask if multiplier is None else multiplier * mask
+                pointers.keep_pointers(phi)
+                window = None
         elif self.dynamic_windows:
             windows = self._window_masks(query, window_keys, key_padding_mask)
             if self.aw_covers_all_heads:
@@ -559,14 +574,20 @@ class LocalMultiheadAttention(nn.Module):
             draw_dropout_keep(shape, dropout_p, q.device),
             self.scaling, dropout_p,
         )  # fmt: skip
-        if gaussian is None:
-            return mechanisms.dense_attention(q, k, v, bias, multiplier, *rest)
-        out, centre, window = mechanisms.gaussian_attention(
-            q, k, v, gaussian, bias, multiplier, *rest
-        )
-        if self.record_localness:
-            self.last_localness = (centre, window)
-        return out
+        if gaussian is not None:  # the Gaussian bias and the attention in one call
+            out, centre, widths = mechanisms.gaussian_attention(
+                q, k, v, gaussian, bias, multiplier, *rest
+            )
+            if self.record_localness:
+                self.last_localness = (centre, widths)
+            return out
+        if window is not None:  # the window's mask (or AW's term) and the attention in one call
+            out, phi = mechanisms.window_attention(
+                q, k, v, window, local, bias, multiplier, *rest
+            )
+            self.dynamic_windows[0].keep_pointers(phi)
+            return out
+        return mechanisms.dense_attention(q, k, v, bias, multiplier, *rest)
 
     # -- local and band heads without a T x T matrix ------------------------------------------
     def _needs_no_matrix(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):

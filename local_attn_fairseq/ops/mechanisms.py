@@ -3,13 +3,14 @@ and the dense attention that takes their terms.
 
 At the lengths where translation trains, Yang et al.'s Gaussian bias and Nguyen et al.'s
 window masks are dozens of small PyTorch operations a call, each with its autograd node, and
-cost more than the attention they modify. Five operators of the banded attention's extension
+cost more than the attention they modify. Six operators of the banded attention's extension
 (csrc/mechanisms_cpu.cpp) compute them in one call forward and one backward each:
 ``gaussian_localness`` (the bias), ``dynamic_window_mask`` (the pointers and the mask M),
 ``additive_window_term`` (M times the additive window's local scores, for a layer whose every
 head is an AW head), ``dense_attention`` (softmax of the logits plus an additive term, times a
-multiplier, dropout, times v) and ``gaussian_attention`` (the Gaussian bias and the dense
-attention in one call, for a layer whose every head is a Gaussian head).
+multiplier, dropout, times v), and the dense attention with its mechanism in one call for a
+layer whose every head is a Gaussian head (``gaussian_attention``) or a dynamic-window head of
+one window (``window_attention``: MW's mask or AW's term).
 ``locality/gaussian.py``, ``locality/dynamic_window.py`` and ``LocalMultiheadAttention``
 define the computations and call these operators when
 :func:`cpu_operators_apply`; everywhere else (GPUs, half precision, an unbuilt extension,
@@ -92,52 +93,58 @@ def gaussian_localness(
     )  # fmt: skip
 
 
-def dynamic_window_mask(
+class WindowInputs(NamedTuple):
+    """What the dynamic window's operators read (locality/dynamic_window.py's definitions): the
+    queries (B, T, d), w_q [W_L^Q; W_R^Q], the projected pointer keys (B, 2H, S, d_h); the keys
+    each query may point to, bool broadcastable to (B, 1, T, S), or None for all; the real keys
+    (B, S) bool or None; the first and the last key of each key's segment (B, S) int64, or None
+    for token windows."""
+
+    query: Tensor
+    w_q: Tensor
+    keys: Tensor
+    visible: Optional[Tensor]
+    real: Optional[Tensor]
+    segment_start: Optional[Tensor]
+    segment_end: Optional[Tensor]
+
+
+class LocalScoreInputs(NamedTuple):
+    """The additive window's local scores s_loc = (scale (query local_w^T + local_b))
+    local_keys^T per head: local_w (H d_l, d), local_b (H d_l,) or None, local_keys
+    (B, H, S, d_l)."""
+
+    local_w: Tensor
+    local_b: Optional[Tensor]
+    local_keys: Tensor
+    scale: float
+
+
+def window_inputs(
     query: Tensor,
     w_q: Tensor,
     keys: Tensor,
     visible: Optional[Tensor],
     real: Optional[Tensor],
     segment_bounds: Optional[Tuple[Tensor, Tensor]],
-) -> Tuple[Tensor, Tensor]:
-    """The mask M (B, H, T, S) and the pointers phi_l above phi_r (B, 2H, T, S, detached),
-    locality/dynamic_window.py's definitions. query (B, T, d), w_q [W_L^Q; W_R^Q], keys the
-    projected pointer keys (B, 2H, S, d_h); visible: bool, broadcastable to (B, 1, T, S), or
-    None; real (B, S) bool or None; segment_bounds: the first and last key of each key's
-    segment, or None for token windows."""
-    return torch.ops.local_attn.dynamic_window_mask(
-        query, w_q, keys, *_window_geometry(visible, real, segment_bounds)
-    )
-
-
-def additive_window_term(
-    query: Tensor,
-    w_q: Tensor,
-    keys: Tensor,
-    visible: Optional[Tensor],
-    real: Optional[Tensor],
-    segment_bounds: Optional[Tuple[Tensor, Tensor]],
-    local_w: Tensor,
-    local_b: Optional[Tensor],
-    local_keys: Tensor,
-    scale: float,
-) -> Tuple[Tensor, Tensor]:
-    """The additive window's term (s_loc * M, scaled) of every head, (B, H, T, S), and the
-    pointers as :func:`dynamic_window_mask` gives them: s_loc = (scale (query local_w^T +
-    local_b)) local_keys^T per head, local_w (H d_l, d), local_keys (B, H, S, d_l); the other
-    arguments as :func:`dynamic_window_mask`'s."""
-    return torch.ops.local_attn.additive_window_term(
-        query, w_q, keys, *_window_geometry(visible, real, segment_bounds),
-        local_w, local_b, local_keys, scale,
-    )  # fmt: skip
-
-
-def _window_geometry(visible, real, segment_bounds):
-    """The window operators' visible, real, segment_start and segment_end arguments."""
+) -> WindowInputs:
+    """:class:`WindowInputs` from the visible keys as :meth:`DynamicWindow.visible_keys` gives
+    them and the segment bounds as :func:`segment_bounds` does (or None)."""
     if visible is not None:
         visible = visible.view(*([1] * (4 - visible.dim())), *visible.shape)
     start, end = segment_bounds if segment_bounds is not None else (None, None)
-    return visible, real, start, end
+    return WindowInputs(query, w_q, keys, visible, real, start, end)
+
+
+def dynamic_window_mask(window: WindowInputs) -> Tuple[Tensor, Tensor]:
+    """The mask M (B, H, T, S) and the pointers phi_l above phi_r (B, 2H, T, S, detached)."""
+    return torch.ops.local_attn.dynamic_window_mask(*window)
+
+
+def additive_window_term(window: WindowInputs, local: LocalScoreInputs) -> Tuple[Tensor, Tensor]:
+    """The additive window's term s_loc * M of every head, (B, H, T, S), and the pointers as
+    :func:`dynamic_window_mask` gives them."""
+    return torch.ops.local_attn.additive_window_term(*window, *local)
 
 
 def gaussian_attention(
@@ -158,6 +165,30 @@ def gaussian_attention(
     return torch.ops.local_attn.gaussian_attention(
         q, k, v, *gaussian, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
         dropout_p,
+    )  # fmt: skip
+
+
+def window_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: WindowInputs,
+    local: Optional[LocalScoreInputs],
+    bias: Optional[Tensor],
+    multiplier: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    dropout_keep: Optional[Tensor],
+    scale: float,
+    dropout_p: float,
+) -> Tuple[Tensor, Tensor]:
+    """:func:`dense_attention` with the window's mask M among its multipliers (MW), or, given
+    ``local``, the additive window's term s_loc * M among its additive terms (AW), in one call;
+    with the pointers as :func:`dynamic_window_mask` gives them."""
+    local_w, local_b, local_keys, local_scale = local or (None, None, None, 0.0)
+    return torch.ops.local_attn.window_attention(
+        q, k, v, *window, local_w, local_b, local_keys, local_scale, bias, multiplier, attn_mask,
+        key_padding_mask, dropout_keep, scale, dropout_p,
     )  # fmt: skip
 
 

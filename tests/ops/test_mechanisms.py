@@ -102,11 +102,9 @@ def test_gaussian_attention_gradients(given_window, extra_bias, pad, causal):
     torch.testing.assert_close(attention(*args), expected)
 
 
-@pytest.mark.parametrize(
-    "segments, pad, causal",
-    [(None, False, False), (None, True, False), (2, True, False), (None, True, True)],
-)
-def test_dynamic_window_mask_gradients(segments, pad, causal):
+def window_case(segments, pad, causal):
+    """A window's operator inputs in float64 (query, w_q and keys requiring gradients), with the
+    key padding mask and the queries' number."""
     torch.manual_seed(0)
     window = DynamicWindow(DIM, DIM, H, 3, segments).double()
     tgt = S if causal else T
@@ -115,54 +113,100 @@ def test_dynamic_window_mask_gradients(segments, pad, causal):
     keys.requires_grad_(True)
     key_padding_mask = padding(B, S) if pad else None
     visible = window.visible_keys(key_padding_mask, causal, B, tgt, S)
-    real = bounds = None
-    if pad or segments:
-        real = ~padding(B, S) if pad else torch.ones(B, S, dtype=torch.bool)
-    if segments:
-        bounds = segment_bounds(real, segments)
-
-    def mask(query, w_q, keys):
-        return mechanisms.dynamic_window_mask(query, w_q, keys, visible, real, bounds)[0]
-
-    w_q = window.query_pointers.weight.detach().requires_grad_(True)
-    assert torch.autograd.gradcheck(mask, (query, w_q, keys))
-
-
-@pytest.mark.parametrize(
-    "segments, pad, causal, local_bias",
-    [(None, False, False, True), (None, True, False, False), (2, True, False, True),
-     (None, True, True, True)],
-)  # fmt: skip
-def test_additive_window_term_gradients(segments, pad, causal, local_bias):
-    torch.manual_seed(0)
-    window = DynamicWindow(DIM, DIM, H, 3, segments).double()
-    tgt = S if causal else T
-    dbl = dict(dtype=torch.float64, requires_grad=True)
-    query = torch.randn(B, tgt, DIM, **dbl)
-    keys = window.project_keys(torch.randn(B, S, DIM, dtype=torch.float64)).double().detach()
-    keys.requires_grad_(True)
-    local_w, local_keys = torch.randn(H * 4, DIM, **dbl), torch.randn(B, H, S, 4, **dbl)
-    local_b = torch.randn(H * 4, **dbl) if local_bias else None
-    key_padding_mask = padding(B, S) if pad else None
-    visible = window.visible_keys(key_padding_mask, causal, B, tgt, S)
     real = ~padding(B, S) if pad else (torch.ones(B, S, dtype=torch.bool) if segments else None)
     bounds = segment_bounds(real, segments) if segments else None
     w_q = window.query_pointers.weight.detach().requires_grad_(True)
 
-    def term(query, w_q, keys, local_w, local_keys, *local_b):
-        bias = local_b[0] if local_b else None
-        return mechanisms.additive_window_term(
-            query, w_q, keys, visible, real, bounds, local_w, bias, local_keys, 0.3
-        )[0]
+    def inputs(query, w_q, keys):
+        return mechanisms.window_inputs(query, w_q, keys, visible, real, bounds)
 
-    inputs = (query, w_q, keys, local_w, local_keys, *([local_b] if local_bias else []))
-    assert torch.autograd.gradcheck(term, inputs)
+    return inputs, (query, w_q, keys), key_padding_mask, tgt
+
+
+WINDOW_CASES = [(None, False, False), (None, True, False), (2, True, False), (None, True, True)]
+
+
+@pytest.mark.parametrize("segments, pad, causal", WINDOW_CASES)
+def test_dynamic_window_mask_gradients(segments, pad, causal):
+    inputs, window_args, _, _ = window_case(segments, pad, causal)
+
+    def mask(*window_args):
+        return mechanisms.dynamic_window_mask(inputs(*window_args))[0]
+
+    assert torch.autograd.gradcheck(mask, window_args)
+
+
+def local_scores(tgt, local_bias):
+    dbl = dict(dtype=torch.float64, requires_grad=True)
+    local_w, local_keys = torch.randn(H * 4, DIM, **dbl), torch.randn(B, H, S, 4, **dbl)
+    local_b = torch.randn(H * 4, **dbl) if local_bias else None
+    return [local_w, local_keys, *([local_b] if local_bias else [])]
+
+
+def local_inputs(local_w, local_keys, *local_b):
+    return mechanisms.LocalScoreInputs(local_w, local_b[0] if local_b else None, local_keys, 0.3)
+
+
+@pytest.mark.parametrize(
+    "segments, pad, causal, local_bias",
+    [case + (bias,) for case, bias in zip(WINDOW_CASES, (True, False, True, True))],
+)
+def test_additive_window_term_gradients(segments, pad, causal, local_bias):
+    inputs, window_args, _, tgt = window_case(segments, pad, causal)
+    local_args = local_scores(tgt, local_bias)
+
+    def term(*args):
+        return mechanisms.additive_window_term(inputs(*args[:3]), local_inputs(*args[3:]))[0]
+
+    args = (*window_args, *local_args)
+    assert torch.autograd.gradcheck(term, args)
     # the term is the local scores times the mask of dynamic_window_mask
-    mask = mechanisms.dynamic_window_mask(query, w_q, keys, visible, real, bounds)[0]
-    local_q = (query @ local_w.t() + (0 if local_b is None else local_b)) * 0.3
+    mask = mechanisms.dynamic_window_mask(inputs(*window_args))[0]
+    local_w, local_keys, *local_b = local_args
+    local_q = (window_args[0] @ local_w.t() + (local_b[0] if local_b else 0)) * 0.3
     local_q = local_q.view(B, tgt, H, 4).transpose(1, 2)
     expected = (local_q @ local_keys.transpose(-1, -2)) * mask
-    torch.testing.assert_close(term(*inputs), expected)
+    torch.testing.assert_close(term(*args), expected)
+
+
+@pytest.mark.parametrize(
+    "additive, segments, pad, causal, given_terms",
+    [(additive, *case, given) for additive in (False, True)
+     for case, given in zip(WINDOW_CASES, (False, True, False, True))],
+)  # fmt: skip
+def test_window_attention_gradients(additive, segments, pad, causal, given_terms):
+    """A window's mask (MW) or term (AW) and the attention in one call: the gradients, and the
+    same values as the window's operator and the dense attention one after the other."""
+    inputs, window_args, key_padding_mask, tgt = window_case(segments, pad, causal)
+    dbl = dict(dtype=torch.float64, requires_grad=True)
+    q = torch.randn(B, H, tgt, 3, **dbl)
+    k, v = torch.randn(B, H, S, 3, **dbl), torch.randn(B, H, S, 3, **dbl)
+    local_args = local_scores(tgt, True) if additive else []
+    # a bias beside the window's own term, and a multiplier (Pande's masks) beside its mask
+    bias = torch.randn(B, H, tgt, S, **dbl) if given_terms else None
+    multiplier = (torch.rand(B, H, tgt, S, dtype=torch.float64) * 2) if given_terms else None
+    future = torch.triu(torch.full((tgt, S), float("-inf"), dtype=torch.float64), 1 + S - tgt)
+    keep = torch.rand(B, H, tgt, S) >= 0.3
+    rest = (future if causal else None, key_padding_mask, keep, 0.7, 0.3)
+
+    def attention(q, k, v, *args):
+        local_part, extra = args[3 : 3 + len(local_args)], args[3 + len(local_args) :]
+        local = local_inputs(*local_part) if additive else None
+        return mechanisms.window_attention(
+            q, k, v, inputs(*args[:3]), local, extra[0] if extra else None, multiplier, *rest
+        )[0]
+
+    args = (q, k, v, *window_args, *local_args, *([bias] if given_terms else []))
+    assert torch.autograd.gradcheck(attention, args)
+    if additive:
+        term = mechanisms.additive_window_term(inputs(*window_args), local_inputs(*local_args))[0]
+        total = term if bias is None else term + bias
+        expected = mechanisms.dense_attention(q, k, v, total, multiplier, *rest)
+    else:
+        mask = mechanisms.dynamic_window_mask(inputs(*window_args))[0]
+        total = mask if multiplier is None else mask * multiplier
+        expected = mechanisms.dense_attention(q, k, v, bias, total, *rest)
+    torch.testing.assert_close(attention(*args), expected)
 
 
 @pytest.mark.parametrize(
@@ -259,7 +303,10 @@ LAYOUTS = {
     "mw": [HeadSpec(window="mw")] * HEADS,
     "aw": [HeadSpec(window="aw")] * HEADS,
     "aw-seg2 and gaussian": [HeadSpec(window="aw", segment=2, gaussian=True)] * HEADS,
+    "mw and gaussian": [HeadSpec(window="mw", gaussian=True)] * HEADS,
+    "aw and pande": [HeadSpec(m, window="aw") for m in ("prev-1", "next-1", "band-1", "global")],
     "pande and mw": [HeadSpec(m, window="mw") for m in ("prev-1", "next-1", "band-1", "global")],
+    "pande": [HeadSpec(m) for m in ("prev-1", "next-1", "band-1", "global")],
 }
 
 
@@ -270,6 +317,9 @@ def module(layout, causal=False, dropout=0.0):
     )
     attn.bind_qk_owners([attn])
     return attn
+
+
+ATTENTION_OPERATORS = ("dense_attention", "gaussian_attention", "window_attention")
 
 
 def count_operator_calls(monkeypatch, name="dense_attention"):
@@ -296,20 +346,19 @@ def test_module_with_terms_operator_matches_pytorch(monkeypatch, layout, causal)
     # left padding, and a sentence that is all padding (its outputs are zeros)
     pad = padding(3, 6, [(0, slice(0, 2)), (2, slice(None))])
     future = torch.triu(torch.full((6, 6), float("-inf")), 1) if causal else None
-    calls = count_operator_calls(monkeypatch)
-    gaussian_calls = count_operator_calls(monkeypatch, "gaussian_attention")
-    aw_calls = count_operator_calls(monkeypatch, "additive_window_term")
+    calls = {name: count_operator_calls(monkeypatch, name) for name in ATTENTION_OPERATORS}
 
     def forward():
         return attn(x, x, x, key_padding_mask=pad, need_weights=False, attn_mask=future)[0]
 
     assert_same_on_both_routes(monkeypatch, forward, [x, *attn.parameters()])
-    # one call for the attention (the "torch" route made none): a layer of Gaussian heads
-    # takes its bias in the same call
-    gaussian = "gaussian" in layout
-    assert (len(calls), len(gaussian_calls)) == ((0, 1) if gaussian else (1, 0))
-    # layers of AW heads in one window group take their term from one call
-    assert len(aw_calls) == int(layout.startswith("aw"))
+    # one call for the attention (the "torch" route made none), which takes the Gaussian bias,
+    # else the window's mask or term, in the same call
+    windows = "mw" in layout or "aw" in layout
+    expected = "gaussian" if "gaussian" in layout else "window" if windows else "dense"
+    assert {name: len(made) for name, made in calls.items()} == {
+        name: int(name.startswith(expected)) for name in ATTENTION_OPERATORS
+    }
     out = forward()
     assert torch.isfinite(out).all() and not out[:, 2].any()
 
@@ -320,7 +369,7 @@ def test_module_decodes_step_by_step_through_the_operators(monkeypatch, layout):
     x = torch.randn(5, 2, E)
     future = torch.triu(torch.full((5, 5), float("-inf")), 1)
     full = attn(x, x, x, need_weights=False, attn_mask=future)[0]
-    operator = {"gaussian": "gaussian_attention", "aw": "dense_attention"}[layout]
+    operator = {"gaussian": "gaussian_attention", "aw": "window_attention"}[layout]
     calls = count_operator_calls(monkeypatch, operator)
     steps = decode_step_by_step(attn, x, need_weights=False)  # as fairseq's decoder calls it
     torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
@@ -332,7 +381,7 @@ def test_module_decodes_step_by_step_through_the_operators(monkeypatch, layout):
 
 def test_module_dropout_is_the_drawn_mask(monkeypatch):
     """With dropout the operator drops the weights its keep mask says, scaled by 1 / (1 - p)."""
-    attn = module("mw", dropout=0.4).train()
+    attn = module("pande", dropout=0.4).train()  # Pande's masks: the multiplier
     x = torch.randn(5, 2, E)
     seen = {}
     dense = mechanisms.dense_attention
