@@ -1,6 +1,7 @@
 // CPU operators of two locality mechanisms, each one C++ call forward and one backward: Yang et
 // al.'s Gaussian localness bias, Nguyen et al.'s dynamic window mask and the additive window's
-// term made from it, and the dense attention that takes these terms. At the lengths where
+// term made from it, the dense attention that takes these terms, and that attention with a
+// Gaussian or a window layer's mechanism under its own autograd node. At the lengths where
 // translation trains, the dozens of small PyTorch operations these mechanisms are made of cost
 // more than the attention they modify (docs/banded_attention.md, "Cost per call"); here the
 // products go to ATen and the elementwise work to one loop per attention row.

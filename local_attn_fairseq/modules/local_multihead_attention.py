@@ -30,7 +30,9 @@ heads: the band of the full softmax, ``ops.band_with_global_lse``; local heads: 
 operator; global heads: the fused path), with the same outputs as steps 1-7 above. On the CPU,
 a layer whose Gaussian bias, dynamic windows or Pande's masks cover every head (and that has
 nothing else, each head with its own Q/K) runs steps 2-6 as C++ operators
-(``ops.mechanisms``): one for each mechanism's term, one for the attention that takes them.
+(``ops.mechanisms``): the attention that takes the terms, in the same call as the Gaussian bias
+or the one window's mask (or AW's term) where the layer has one of them, and one more call for
+each other term.
 
 The call signature, incremental state and returned weights follow
 ``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
