@@ -570,7 +570,7 @@ class LocalMultiheadAttention(nn.Module):
         q, k = self._expand_groups(q), self._expand_groups(k)
         dropout_p = self._attention_dropout_p()
         shape = (bsz, self.num_heads, tgt_len, src_len)
-        rest = (
+        attention = mechanisms.AttentionInputs(
             None if attn_mask is None else attn_mask.to(q.dtype),
             None if key_padding_mask is None else key_padding_mask.to(torch.bool),
             draw_dropout_keep(shape, dropout_p, q.device),
@@ -578,18 +578,18 @@ class LocalMultiheadAttention(nn.Module):
         )  # fmt: skip
         if gaussian is not None:  # the Gaussian bias and the attention in one call
             out, centre, widths = mechanisms.gaussian_attention(
-                q, k, v, gaussian, bias, multiplier, *rest
+                q, k, v, gaussian, bias, multiplier, attention
             )
             if self.record_localness:
                 self.last_localness = (centre, widths)
             return out
         if window is not None:  # the window's mask (or AW's term) and the attention in one call
             out, phi = mechanisms.window_attention(
-                q, k, v, window, local, bias, multiplier, *rest
+                q, k, v, window, local, bias, multiplier, attention
             )
             self.dynamic_windows[0].keep_pointers(phi)
             return out
-        return mechanisms.dense_attention(q, k, v, bias, multiplier, *rest)
+        return mechanisms.dense_attention(q, k, v, bias, multiplier, attention)
 
     # -- local and band heads without a T x T matrix ------------------------------------------
     def _needs_no_matrix(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):

@@ -147,6 +147,19 @@ def additive_window_term(window: WindowInputs, local: LocalScoreInputs) -> Tuple
     return torch.ops.local_attn.additive_window_term(*window, *local)
 
 
+class AttentionInputs(NamedTuple):
+    """What the attention operators read besides q, k, v and the mechanisms' terms: attn_mask
+    (T, S) additive or None; key_padding_mask (B, S) bool, True for padding, or None;
+    dropout_keep (B, H, T, S) bool or None, kept weights scaled by 1 / (1 - dropout_p); the
+    logits' scale."""
+
+    attn_mask: Optional[Tensor]
+    key_padding_mask: Optional[Tensor]
+    dropout_keep: Optional[Tensor]
+    scale: float
+    dropout_p: float
+
+
 def gaussian_attention(
     q: Tensor,
     k: Tensor,
@@ -154,18 +167,13 @@ def gaussian_attention(
     gaussian: GaussianInputs,
     bias: Optional[Tensor],
     multiplier: Optional[Tensor],
-    attn_mask: Optional[Tensor],
-    key_padding_mask: Optional[Tensor],
-    dropout_keep: Optional[Tensor],
-    scale: float,
-    dropout_p: float,
+    attention: AttentionInputs,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`dense_attention` with the Gaussian bias G of ``gaussian`` added to ``bias`` (or
     alone), in one call; with the centres P and the windows D (B, H, T), detached."""
     return torch.ops.local_attn.gaussian_attention(
-        q, k, v, *gaussian, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
-        dropout_p,
-    )  # fmt: skip
+        q, k, v, *gaussian, bias, multiplier, *attention
+    )
 
 
 def window_attention(
@@ -176,20 +184,15 @@ def window_attention(
     local: Optional[LocalScoreInputs],
     bias: Optional[Tensor],
     multiplier: Optional[Tensor],
-    attn_mask: Optional[Tensor],
-    key_padding_mask: Optional[Tensor],
-    dropout_keep: Optional[Tensor],
-    scale: float,
-    dropout_p: float,
+    attention: AttentionInputs,
 ) -> Tuple[Tensor, Tensor]:
     """:func:`dense_attention` with the window's mask M among its multipliers (MW), or, given
     ``local``, the additive window's term s_loc * M among its additive terms (AW), in one call;
     with the pointers as :func:`dynamic_window_mask` gives them."""
     local_w, local_b, local_keys, local_scale = local or (None, None, None, 0.0)
     return torch.ops.local_attn.window_attention(
-        q, k, v, *window, local_w, local_b, local_keys, local_scale, bias, multiplier, attn_mask,
-        key_padding_mask, dropout_keep, scale, dropout_p,
-    )  # fmt: skip
+        q, k, v, *window, local_w, local_b, local_keys, local_scale, bias, multiplier, *attention
+    )
 
 
 def dense_attention(
@@ -198,17 +201,9 @@ def dense_attention(
     v: Tensor,
     bias: Optional[Tensor],
     multiplier: Optional[Tensor],
-    attn_mask: Optional[Tensor],
-    key_padding_mask: Optional[Tensor],
-    dropout_keep: Optional[Tensor],
-    scale: float,
-    dropout_p: float,
+    attention: AttentionInputs,
 ) -> Tensor:
     """(softmax(scale q k^T + bias + attn_mask, padded keys excluded) * multiplier, dropped out)
     v, (B, H, T, D): q (B, H, T, D), k and v (B, H, S, D); bias and multiplier (B, H, T, S) or
-    None; attn_mask (T, S) additive; key_padding_mask (B, S) bool, True for padding; dropout_keep
-    (B, H, T, S) bool, kept weights scaled by 1 / (1 - dropout_p). A query without a key gets
-    zeros."""
-    return torch.ops.local_attn.dense_attention(
-        q, k, v, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale, dropout_p
-    )
+    None. A query without a key gets zeros."""
+    return torch.ops.local_attn.dense_attention(q, k, v, bias, multiplier, *attention)

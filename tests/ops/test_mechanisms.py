@@ -85,20 +85,20 @@ def test_gaussian_attention_gradients(given_window, extra_bias, pad, causal):
     attn_mask = future if causal else None
     extra = torch.randn(B, H, tgt, S, **dbl) if extra_bias else None
     keep = torch.rand(B, H, tgt, S) >= 0.3
-    rest = (attn_mask, key_padding_mask, keep, 0.7, 0.3)
+    rest = mechanisms.AttentionInputs(attn_mask, key_padding_mask, keep, 0.7, 0.3)
 
     def attention(q, k, v, query, w_p, u_p, *optional):
         it = iter(optional)
         u_d_, window_, extra_ = (next(it) if t is not None else None for t in (u_d, window, extra))
         inputs = gaussian_inputs(query, w_p, u_p, u_d_, seen, seen, positions, window_)
-        return mechanisms.gaussian_attention(q, k, v, inputs, extra_, None, *rest)[0]
+        return mechanisms.gaussian_attention(q, k, v, inputs, extra_, None, rest)[0]
 
     optional = [t for t in (u_d, window, extra) if t is not None]
     args = (q, k, v, query, w_p, u_p, *optional)
     assert torch.autograd.gradcheck(attention, args)
     inputs = gaussian_inputs(query, w_p, u_p, u_d, seen, seen, positions, window)
     bias = mechanisms.gaussian_localness(inputs, extra)[0]
-    expected = mechanisms.dense_attention(q, k, v, bias, None, *rest)
+    expected = mechanisms.dense_attention(q, k, v, bias, None, rest)
     torch.testing.assert_close(attention(*args), expected)
 
 
@@ -187,13 +187,15 @@ def test_window_attention_gradients(additive, segments, pad, causal, given_terms
     multiplier = (torch.rand(B, H, tgt, S, dtype=torch.float64) * 2) if given_terms else None
     future = torch.triu(torch.full((tgt, S), float("-inf"), dtype=torch.float64), 1 + S - tgt)
     keep = torch.rand(B, H, tgt, S) >= 0.3
-    rest = (future if causal else None, key_padding_mask, keep, 0.7, 0.3)
+    rest = mechanisms.AttentionInputs(
+        future if causal else None, key_padding_mask, keep, 0.7, 0.3
+    )
 
     def attention(q, k, v, *args):
         local_part, extra = args[3 : 3 + len(local_args)], args[3 + len(local_args) :]
         local = local_inputs(*local_part) if additive else None
         return mechanisms.window_attention(
-            q, k, v, inputs(*args[:3]), local, extra[0] if extra else None, multiplier, *rest
+            q, k, v, inputs(*args[:3]), local, extra[0] if extra else None, multiplier, rest
         )[0]
 
     args = (q, k, v, *window_args, *local_args, *([bias] if given_terms else []))
@@ -201,11 +203,11 @@ def test_window_attention_gradients(additive, segments, pad, causal, given_terms
     if additive:
         term = mechanisms.additive_window_term(inputs(*window_args), local_inputs(*local_args))[0]
         total = term if bias is None else term + bias
-        expected = mechanisms.dense_attention(q, k, v, total, multiplier, *rest)
+        expected = mechanisms.dense_attention(q, k, v, total, multiplier, rest)
     else:
         mask = mechanisms.dynamic_window_mask(inputs(*window_args))[0]
         total = mask if multiplier is None else mask * multiplier
-        expected = mechanisms.dense_attention(q, k, v, bias, total, *rest)
+        expected = mechanisms.dense_attention(q, k, v, bias, total, rest)
     torch.testing.assert_close(attention(*args), expected)
 
 
@@ -227,9 +229,10 @@ def test_dense_attention_gradients(bias, multiplier, attn_mask, pad):
     def attention(q, k, v, *given):  # gradcheck passes only the terms that are tensors
         it = iter(given)
         bias, multiplier = (next(it) if t is not None else None for t in terms)
-        return mechanisms.dense_attention(q, k, v, bias, multiplier,
-                                          future if attn_mask else None, key_padding_mask, keep,
-                                          0.7, 0.3)  # fmt: skip
+        rest = mechanisms.AttentionInputs(
+            future if attn_mask else None, key_padding_mask, keep, 0.7, 0.3
+        )
+        return mechanisms.dense_attention(q, k, v, bias, multiplier, rest)
 
     inputs = (q, k, v, *[t for t in terms if t is not None])
     assert torch.autograd.gradcheck(attention, inputs)
@@ -393,7 +396,7 @@ def test_module_dropout_is_the_drawn_mask(monkeypatch):
     monkeypatch.setattr(mechanisms, "dense_attention", keep_arguments)
     torch.manual_seed(3)
     out = attn(x, x, x, need_weights=False)[0]
-    q, k, v, bias, multiplier, _, _, keep, scale, p = seen["args"]
+    q, k, v, bias, multiplier, (_, _, keep, scale, p) = seen["args"]
     assert p == 0.4 and keep is not None and not keep.all() and keep.any()
     weights = torch.softmax(scale * q @ k.transpose(-1, -2), -1) * multiplier * keep / (1 - p)
     expected = attn._merge_heads(weights @ v, 5, 2)
@@ -402,13 +405,14 @@ def test_module_dropout_is_the_drawn_mask(monkeypatch):
 
 def test_operators_refuse_bad_input():
     q = torch.randn(B, H, T, 3)
+    plain = mechanisms.AttentionInputs(None, None, None, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="bias must be"):
-        mechanisms.dense_attention(q, q, q, torch.zeros(1), None, None, None, None, 1.0, 0.0)
+        mechanisms.dense_attention(q, q, q, torch.zeros(1), None, plain)
     with pytest.raises(RuntimeError, match="dropout_keep"):
-        mechanisms.dense_attention(q, q, q, None, None, None, None, None, 1.0, 0.1)
+        mechanisms.dense_attention(q, q, q, None, None, plain._replace(dropout_p=0.1))
     with pytest.raises(RuntimeError, match="float32 or float64"):
         half = q.half()
-        mechanisms.dense_attention(half, half, half, None, None, None, None, None, 1.0, 0.0)
+        mechanisms.dense_attention(half, half, half, None, None, plain)
     with pytest.raises(RuntimeError, match="not both"):
         w = torch.randn(DIM, DIM)
         inputs = mechanisms.GaussianInputs(
