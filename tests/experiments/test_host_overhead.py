@@ -1,5 +1,6 @@
 """The host-overhead benchmark: it times the real calls, and its script prints every row."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -126,3 +127,13 @@ def test_the_script_prints_every_row_with_sane_numbers(tmp_path):
 def test_rows_can_be_chosen():
     chosen = host_overhead.build_rows(["pande", "banded"], CPU)
     assert [row.kind.name for row in chosen] == ["banded", "pande"]  # in the table's order
+
+
+@pytest.mark.parametrize("ours, met", [(1.304, True), (1.306, False), (1.2, True), (1.4, False)])
+def test_a_row_is_judged_on_the_ratio_the_table_prints(ours, met):
+    kind = dataclasses.replace(host_overhead.ROW_KINDS[0], target=1.3)
+    result = host_overhead.RowResult(kind, {"ours": [ours], "peer": [1.0]}, {"ours": 1, "peer": 1})
+    assert result.met is met
+    cells = [c.strip() for c in host_overhead.report([result], "", cuda=False).splitlines()[-1]
+             .strip("|").split("|")]
+    assert cells[4] == f"{ours:.2f}" and cells[7] == ("yes" if met else "no")
