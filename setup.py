@@ -44,6 +44,7 @@ def banded_attention_extension():
         "csrc/banded_attention_autograd.cpp",
         "csrc/banded_attention_cpu.cpp",
         "csrc/mechanisms_cpu.cpp",
+        "csrc/projections_cpu.cpp",
     ]
     headers = ["csrc/banded_attention.h", "csrc/banded_cpu_kernels.h"]
     # -fopenmp: at::parallel_for is header-only and runs serially without it; the AVX2 copy of

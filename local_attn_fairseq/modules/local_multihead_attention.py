@@ -32,7 +32,8 @@ a layer whose Gaussian bias, dynamic windows or Pande's masks cover every head (
 nothing else, each head with its own Q/K) runs steps 2-6 as C++ operators
 (``ops.mechanisms``): the attention that takes the terms, in the same call as the Gaussian bias
 or the one window's mask (or AW's term) where the layer has one of them, and one more call for
-each other term.
+each other term. On the CPU too, step 1 is one C++ call for every projection of the keys (and
+of the queries, in self-attention): Q, K, V, the windows' pointer keys and AW's local keys.
 
 The call signature, incremental state and returned weights follow
 ``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
@@ -321,6 +322,39 @@ class LocalMultiheadAttention(nn.Module):
         y = F.linear(x, weight, bias)
         return y.view(length, bsz, self.num_qk_groups, self.head_dim).permute(1, 2, 0, 3)
 
+    def _project(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor]):
+        """q (bsz, groups, tgt_len, head_dim), k likewise, v (bsz, heads, src_len, head_dim)
+        and the window keys (:meth:`_project_window_keys`); k, v and the window keys are None
+        (empty) without a key (cached keys while decoding)."""
+        # (weights of mixed dtypes or devices fail in the operator as they do in F.linear)
+        one_call = key is not None and value is key
+        if one_call and mechanisms.cpu_operators_apply(query, key, self.v_proj.weight):
+            return self._project_in_one_call(query, key)
+        q = self._project_qk(query, "q_proj")
+        k = self._project_qk(key, "k_proj") if key is not None else None
+        v = self._project_v(value) if value is not None else None
+        window_keys = self._project_window_keys(key) if key is not None else {}
+        return q, k, v, window_keys
+
+    def _project_in_one_call(self, query: Tensor, key: Tensor):
+        """:meth:`_project` of keys that are the values too (self-attention, encoder-decoder
+        attention): every projection of the keys, and of the queries where they are the keys,
+        in one C++ call (ops/mechanisms.py)."""
+        with_query = query is key
+        windows = self.dynamic_windows
+        projections = [self._qk_projection("k_proj"), (self.v_proj.weight, self.v_proj.bias)]
+        if with_query:
+            projections.append(self._qk_projection("q_proj"))
+        projections += [(window.key_pointers.weight, None) for window in windows]
+        if self.local_k_proj is not None:
+            projections.append((self.local_k_proj.weight, self.local_k_proj.bias))
+        k, v, *rest = mechanisms.project_heads(key, projections, self.head_dim)
+        q = rest.pop(0) if with_query else self._project_qk(query, "q_proj")
+        window_keys = {f"window{g}": rest[g] for g in range(len(windows))}
+        if self.local_k_proj is not None:
+            window_keys["local_key"] = rest[-1]
+        return q, k, v, window_keys
+
     def _project_v(self, x: Tensor) -> Tensor:
         length, bsz = x.shape[:2]
         y = self.v_proj(x)
@@ -355,10 +389,7 @@ class LocalMultiheadAttention(nn.Module):
             if saved_state and "prev_key" in saved_state and static_kv:
                 key = value = None  # encoder-decoder attention: keys computed at step 0
 
-        q = self._project_qk(query, "q_proj")
-        k = self._project_qk(key, "k_proj") if key is not None else None
-        v = self._project_v(value) if value is not None else None
-        window_keys = self._project_window_keys(key) if key is not None else {}
+        q, k, v, window_keys = self._project(query, key, value)
 
         if saved_state is not None:
             k, v, key_padding_mask, window_keys = self._extend_cached(

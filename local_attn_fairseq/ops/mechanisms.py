@@ -10,7 +10,10 @@ cost more than the attention they modify. Six operators of the banded attention'
 head is an AW head), ``dense_attention`` (softmax of the logits plus an additive term, times a
 multiplier, dropout, times v), and the dense attention with its mechanism in one call for a
 layer whose every head is a Gaussian head (``gaussian_attention``) or a dynamic-window head of
-one window (``window_attention``: MW's mask or AW's term).
+one window (``window_attention``: MW's mask or AW's term). A seventh, ``project_heads``
+(csrc/projections_cpu.cpp), makes a layer's projections of one input (its queries, keys,
+values, pointer keys and local keys) in one call: at these lengths the nn.Linear calls around
+an attention cost as much as the attention.
 ``locality/gaussian.py``, ``locality/dynamic_window.py`` and ``LocalMultiheadAttention``
 define the computations and call these operators when
 :func:`cpu_operators_apply`; everywhere else (GPUs, half precision, an unbuilt extension,
@@ -21,7 +24,7 @@ the operators where they apply).
 """
 
 import os
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -39,7 +42,7 @@ class _OperatorState:
 def _operators_built() -> bool:
     if _OperatorState.available is None:
         _OperatorState.available = load_extension() is not None and _op_defined(
-            "dynamic_window_mask"
+            "project_heads"
         )
     return _OperatorState.available
 
@@ -53,13 +56,28 @@ def _chosen_impl() -> str:
 
 def cpu_operators_apply(*tensors: Tensor) -> bool:
     """Whether a call on these tensors goes through the C++ operators: every tensor float32 on
-    the CPU, the extension built with them, no ``torch.compile`` tracing, and not switched off
-    by ``LOCAL_ATTN_MECHANISM_IMPL=torch``."""
+    the CPU, the extension built with them, no ``torch.compile`` tracing, no CPU autocast (whose
+    casts belong to PyTorch's own operations), and not switched off by
+    ``LOCAL_ATTN_MECHANISM_IMPL=torch``."""
     if _chosen_impl() == "torch" or torch.compiler.is_compiling():
+        return False
+    if torch.is_autocast_enabled("cpu"):
         return False
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return False
     return _operators_built()
+
+
+def project_heads(
+    x: Tensor, projections: Sequence[Tuple[Tensor, Optional[Tensor]]], head_dim: int
+) -> List[Tensor]:
+    """F.linear(x, weight, bias) of x (len, bsz, dim) for each (weight, bias) of
+    ``projections``, split into heads of ``head_dim``: (bsz, rows // head_dim, len, head_dim)
+    each, as views of the products. One autograd node for all of them; an output that takes
+    no part in the loss gives its weight a zero gradient (not None)."""
+    weights = [weight for weight, _ in projections]
+    biases = [bias for _, bias in projections]
+    return torch.ops.local_attn.project_heads(x, weights, biases, head_dim)
 
 
 class GaussianInputs(NamedTuple):

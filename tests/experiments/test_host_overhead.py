@@ -134,6 +134,6 @@ def test_a_row_is_judged_on_the_ratio_the_table_prints(ours, met):
     kind = dataclasses.replace(host_overhead.ROW_KINDS[0], target=1.3)
     result = host_overhead.RowResult(kind, {"ours": [ours], "peer": [1.0]}, {"ours": 1, "peer": 1})
     assert result.met is met
-    cells = [c.strip() for c in host_overhead.report([result], "", cuda=False).splitlines()[-1]
-             .strip("|").split("|")]
+    row = host_overhead.report([result], "", cuda=False).splitlines()[-1]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[4] == f"{ours:.2f}" and cells[7] == ("yes" if met else "no")

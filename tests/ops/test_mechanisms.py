@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from local_attn_fairseq.locality.dynamic_window import DynamicWindow, segment_bounds
 from local_attn_fairseq.locality.gaussian import GaussianLocalness
@@ -238,6 +239,68 @@ def test_dense_attention_gradients(bias, multiplier, attn_mask, pad):
     assert torch.autograd.gradcheck(attention, inputs)
 
 
+def projection_inputs(dtype):
+    """x (len 5, bsz 3, dim 7) and three projections of 2, 1 and 3 heads of 4, one of them
+    without a bias."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 7, dtype=dtype, requires_grad=True)
+    rows = (8, 4, 12)
+    weights = [torch.randn(n, 7, dtype=dtype, requires_grad=True) for n in rows]
+    biases = [torch.randn(8, dtype=dtype, requires_grad=True), None,
+              torch.randn(12, dtype=dtype, requires_grad=True)]  # fmt: skip
+    return x, weights, biases
+
+
+def test_project_heads_gradients():
+    x, weights, biases = projection_inputs(torch.float64)
+
+    def project(x, w0, w1, w2, b0, b2):
+        return mechanisms.project_heads(x, [(w0, b0), (w1, None), (w2, b2)], 4)
+
+    assert torch.autograd.gradcheck(project, (x, *weights, biases[0], biases[2]))
+
+
+def test_project_heads_is_f_linear_split_into_heads():
+    x, weights, biases = projection_inputs(torch.float32)
+    ours = mechanisms.project_heads(x, list(zip(weights, biases)), 4)
+
+    def reference():
+        return [F.linear(x, w, b).view(5, 3, -1, 4).permute(1, 2, 0, 3)
+                for w, b in zip(weights, biases)]  # fmt: skip
+
+    ref = reference()
+    leaves = [x, *weights, biases[0], biases[2]]
+    grad_outputs = [torch.randn(r.shape) for r in ref]
+    grads = torch.autograd.grad(ours, leaves, grad_outputs)
+    ref_grads = torch.autograd.grad(ref, leaves, grad_outputs)
+    for out, expected in zip(ours, ref):
+        assert out.shape == expected.shape and torch.equal(out, expected)  # the same product
+    for grad, expected in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
+    # an output outside the loss: its weight's gradient is zero, the others' as before
+    ours = mechanisms.project_heads(x, list(zip(weights, biases)), 4)
+    grads = torch.autograd.grad(ours[0].sum() + ours[2].sum(), weights)
+    assert not grads[1].any()
+    ref = reference()
+    ref_grads = torch.autograd.grad(ref[0].sum() + ref[2].sum(), [weights[0], weights[2]])
+    torch.testing.assert_close([grads[0], grads[2]], list(ref_grads), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # inference: the same outputs, no graph
+        plain = mechanisms.project_heads(x, list(zip(weights, biases)), 4)
+    assert all(torch.equal(a, b) and a.grad_fn is None for a, b in zip(plain, ours))
+
+
+def test_project_heads_refuses_bad_input():
+    x, weights, biases = projection_inputs(torch.float32)
+    with pytest.raises(RuntimeError, match=r"weight 0 must be \(heads \* 3, 7\)"):
+        mechanisms.project_heads(x, [(weights[0], None)], 3)  # 8 rows: not heads of 3
+    with pytest.raises(RuntimeError, match="bias 0 must be"):
+        mechanisms.project_heads(x, [(weights[0], biases[2])], 4)
+    with pytest.raises(RuntimeError, match="weight 1 must be a Float CPU tensor"):
+        mechanisms.project_heads(x, [(weights[0], None), (weights[1].double(), None)], 4)
+    with pytest.raises(RuntimeError, match=r"x must be \(len, bsz, dim\)"):
+        mechanisms.project_heads(x[0], [(weights[0], None)], 4)
+
+
 # -- the operators against the PyTorch definitions ---------------------------------------------
 
 
@@ -350,11 +413,13 @@ def test_module_with_terms_operator_matches_pytorch(monkeypatch, layout, causal)
     pad = padding(3, 6, [(0, slice(0, 2)), (2, slice(None))])
     future = torch.triu(torch.full((6, 6), float("-inf")), 1) if causal else None
     calls = {name: count_operator_calls(monkeypatch, name) for name in ATTENTION_OPERATORS}
+    projections = count_operator_calls(monkeypatch, "project_heads")
 
     def forward():
         return attn(x, x, x, key_padding_mask=pad, need_weights=False, attn_mask=future)[0]
 
     assert_same_on_both_routes(monkeypatch, forward, [x, *attn.parameters()])
+    assert len(projections) == 1  # q, k, v, pointer keys and local keys in one call
     # one call for the attention (the "torch" route made none), which takes the Gaussian bias,
     # else the window's mask or term, in the same call
     windows = "mw" in layout or "aw" in layout
@@ -364,6 +429,41 @@ def test_module_with_terms_operator_matches_pytorch(monkeypatch, layout, causal)
     }
     out = forward()
     assert torch.isfinite(out).all() and not out[:, 2].any()
+
+
+PROJECTED_LAYOUTS = {
+    "plain": [HeadSpec()] * HEADS,
+    "local": [HeadSpec("local-2")] * HEADS,
+    "tied": [HeadSpec(m, (0, 0) if h else None)
+             for h, m in enumerate(("prev-1", "next-1", "band-1", "global"))],
+    "two windows": [HeadSpec(window="mw")] * 2 + [HeadSpec(window="aw", segment=2)] * 2,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "layout, cross", [(layout, False) for layout in PROJECTED_LAYOUTS] + [("two windows", True)]
+)
+def test_module_projects_the_keys_in_one_call(monkeypatch, layout, cross):
+    """Self-attention projects q, k, v and the windows' keys in one call, encoder-decoder
+    attention (keys of another width) k, v and the windows' keys; as nn.Linear does."""
+    torch.manual_seed(0)
+    kdim = 12 if cross else None
+    attn = LocalMultiheadAttention(
+        E, HEADS, kdim=kdim, vdim=kdim, head_specs=PROJECTED_LAYOUTS[layout],
+        self_attention=not cross, encoder_decoder_attention=cross,
+    ).train()  # fmt: skip
+    attn.bind_qk_owners([attn])
+    x = torch.randn(6, 3, E, requires_grad=True)
+    keys = torch.randn(7, 3, 12, requires_grad=True) if cross else x
+    pad = padding(3, keys.size(0), [(0, slice(0, 2))])
+    projections = count_operator_calls(monkeypatch, "project_heads")
+
+    def forward():
+        return attn(x, keys, keys, key_padding_mask=pad, need_weights=False)[0]
+
+    leaves = [x, *attn.parameters()] + ([keys] if cross else [])
+    assert_same_on_both_routes(monkeypatch, forward, leaves)
+    assert len(projections) == 1
 
 
 @pytest.mark.parametrize("layout", ["gaussian", "aw"])
@@ -429,6 +529,8 @@ def test_the_switch_keeps_every_call_in_pytorch(monkeypatch):
     monkeypatch.setenv(mechanisms.IMPL_ENV, "auto")
     assert mechanisms.cpu_operators_apply(q)
     assert not mechanisms.cpu_operators_apply(q, q.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # its casts are PyTorch's operations'
+        assert not mechanisms.cpu_operators_apply(q)
     monkeypatch.setenv(mechanisms.IMPL_ENV, "fast")
     with pytest.raises(ValueError, match="LOCAL_ATTN_MECHANISM_IMPL"):
         mechanisms.cpu_operators_apply(q)
