@@ -716,6 +716,32 @@ std::vector<at::Tensor> additive_saved(const WindowForward& f, const at::Tensor&
 }
 constexpr size_t kAdditiveSaved = kWindowSaved + 5;
 
+// AW's term s_loc * M, with the window and the local scores it is made of (what its backward
+// saves): the forward of the additive window's operator and of window_attention's AW layer.
+struct AdditiveForward {
+  WindowInputs in;
+  WindowForward window;
+  LocalScores local;
+  at::Tensor term;
+};
+
+AdditiveForward additive_forward(const at::Tensor& query, const at::Tensor& w_q,
+                                 const at::Tensor& keys, const c10::optional<at::Tensor>& visible,
+                                 const c10::optional<at::Tensor>& real,
+                                 const c10::optional<at::Tensor>& segment_start,
+                                 const c10::optional<at::Tensor>& segment_end,
+                                 const at::Tensor& local_w,
+                                 const c10::optional<at::Tensor>& local_b,
+                                 const at::Tensor& local_keys, double scale) {
+  AdditiveForward a;
+  a.in = window_inputs(query, keys, visible, real, segment_start, segment_end);
+  a.window = window_forward(query, w_q, keys, a.in);
+  const WindowGeometry& g = a.in.geometry;
+  a.local = local_scores(a.window, local_w, local_b, local_keys, scale, g.bsz, g.heads, g.tgt_len);
+  a.term = a.local.scores * a.window.mask;
+  return a;
+}
+
 struct AdditiveGrads {
   WindowGrads window;  // its d query includes the local projection's
   at::Tensor local_w, local_b, local_keys;  // d local keys as (B H, S, d_l)
@@ -762,21 +788,17 @@ class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFu
                                const at::Tensor& local_w, const c10::optional<at::Tensor>& local_b,
                                const at::Tensor& local_keys, double scale) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const WindowInputs in =
-        window_inputs(query, keys, visible, real, segment_start, segment_end);
-    WindowForward f = window_forward(query, w_q, keys, in);
-    const WindowGeometry& g = in.geometry;
-    LocalScores s = local_scores(f, local_w, local_b, local_keys, scale, g.bsz, g.heads,
-                                 g.tgt_len);
-    ctx->save_for_backward(additive_saved(f, w_q, in, local_w, s));
+    const AdditiveForward a = additive_forward(query, w_q, keys, visible, real, segment_start,
+                                               segment_end, local_w, local_b, local_keys, scale);
+    ctx->save_for_backward(additive_saved(a.window, w_q, a.in, local_w, a.local));
     ctx->saved_data["query_shape"] = query.sizes().vec();
     ctx->saved_data["keys_shape"] = keys.sizes().vec();
     ctx->saved_data["local_keys_shape"] = local_keys.sizes().vec();
     ctx->saved_data["biased"] = local_b.has_value() && local_b->defined();
     ctx->saved_data["scale"] = scale;
-    ctx->mark_non_differentiable({f.phi});
+    ctx->mark_non_differentiable({a.window.phi});
     ctx->set_materialize_grads(false);  // the pointers have none
-    return {s.scores * f.mask, f.phi};
+    return {a.term, a.window.phi};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -813,12 +835,9 @@ std::tuple<at::Tensor, at::Tensor> additive_window_term_cpu(
     const c10::optional<at::Tensor>& segment_start,
     const c10::optional<at::Tensor>& segment_end, const at::Tensor& local_w,
     const c10::optional<at::Tensor>& local_b, const at::Tensor& local_keys, double scale) {
-  const WindowInputs in = window_inputs(query, keys, visible, real, segment_start, segment_end);
-  WindowForward f = window_forward(query, w_q, keys, in);
-  const WindowGeometry& g = in.geometry;
-  LocalScores s =
-      local_scores(f, local_w, local_b, local_keys, scale, g.bsz, g.heads, g.tgt_len);
-  return {s.scores.mul_(f.mask), f.phi};
+  const AdditiveForward a = additive_forward(query, w_q, keys, visible, real, segment_start,
+                                             segment_end, local_w, local_b, local_keys, scale);
+  return {a.term, a.window.phi};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1221,19 +1240,19 @@ WindowAttention window_attention_forward(
   const bool additive = given(local_w);
   TORCH_CHECK(additive == given(local_keys), "local_attn::window_attention: give local_w and "
               "local_keys (the additive window) or neither (the multiplicative one)");
-  const WindowInputs in = window_inputs(query, keys, visible, real, segment_start, segment_end);
-  WindowForward f = window_forward(query, w_q, keys, in);
   WindowAttention result;
-  result.phi = f.phi;
   c10::optional<at::Tensor> bias_total = bias, multiplier_total = multiplier;
   if (additive) {
-    const WindowGeometry& g = in.geometry;
-    LocalScores s = local_scores(f, *local_w, local_b, *local_keys, local_scale, g.bsz, g.heads,
-                                 g.tgt_len);
-    at::Tensor term = s.scores * f.mask;
-    bias_total = given(bias) ? term.add_(*bias) : term;
-    result.saved = additive_saved(f, w_q, in, *local_w, s);
+    AdditiveForward a = additive_forward(query, w_q, keys, visible, real, segment_start,
+                                         segment_end, *local_w, local_b, *local_keys, local_scale);
+    result.phi = a.window.phi;
+    bias_total = given(bias) ? a.term.add_(*bias) : a.term;
+    result.saved = additive_saved(a.window, w_q, a.in, *local_w, a.local);
   } else {
+    const WindowInputs in =
+        window_inputs(query, keys, visible, real, segment_start, segment_end);
+    WindowForward f = window_forward(query, w_q, keys, in);
+    result.phi = f.phi;
     multiplier_total = given(multiplier) ? f.mask * *multiplier : f.mask;
     result.saved = window_saved(f, w_q, in);
     result.saved.insert(result.saved.end(),
