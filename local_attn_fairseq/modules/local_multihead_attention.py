@@ -765,16 +765,20 @@ class LocalMultiheadAttention(nn.Module):
         return x.index_select(1, self.head_to_group)
 
     def _merge_heads(self, out: Tensor, tgt_len: int, bsz: int) -> Tensor:
-        """Gate each head's output (Voita et al.), concatenate the heads, project."""
-        if self.head_gates is not None:
-            # in float32 (at least): a gate's gradient sums over every token, beyond float16
-            gates = self.head_gates().view(1, -1, 1, 1)
-            if out.dtype in (torch.float32, torch.float64):
-                out = out * gates
-            else:
-                out = (out.float() * gates).to(out.dtype)
+        """Concatenate the heads and project, each head's output gated (Voita et al.).
+
+        A gate is one number per head for the whole batch, so gating a head's output equals
+        scaling out_proj's columns that read it: a pass over a (d, d) weight instead of over
+        every token's output. The gated weight is made in float32 (at least): a gate's
+        gradient sums over the whole weight and every token, beyond float16's range.
+        """
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads * self.head_dim)
-        return self.out_proj(out)
+        if self.head_gates is None:
+            return self.out_proj(out)
+        weight = self.out_proj.weight  # (embed_dim, heads * head_dim)
+        precise = weight.to(torch.promote_types(weight.dtype, torch.float32))
+        columns = precise.view(-1, self.num_heads, self.head_dim) * self.head_gates().view(-1, 1)
+        return F.linear(out, columns.view_as(weight).to(weight.dtype), self.out_proj.bias)
 
     def _without_heads(self, query, key, need_weights, need_head_weights):
         """A layer whose heads were all pruned adds out_proj's bias to the residual, nothing

@@ -68,6 +68,30 @@ def test_a_closed_gate_removes_exactly_that_heads_output():
     torch.testing.assert_close(gated(x, x, x, pad)[0], reference(x, x, x, pad)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gates_scale_each_heads_output_before_the_projection(dtype):
+    """Gated heads run as out_proj's columns scaled by their gates: the same output and the
+    same gradients (input, weights, gates) as multiplying each head's output by its gate."""
+    x, pad = inputs()
+    x = x.to(dtype)
+    gated = attention(MIXED_HEADS, gates=GATES, relative_max_distance=2).to(dtype)
+    plain = attention(MIXED_HEADS, relative_max_distance=2).to(dtype)
+    plain.load_state_dict(gated.state_dict(), strict=False)
+    sample = torch.tensor([0.0, 0.3, 1.0, 0.75], dtype=dtype, requires_grad=True)
+    gated.head_gates.forward = lambda: sample  # a training sample, fixed for both layers
+    per_feature = sample.repeat_interleave(E // H)
+    plain.out_proj.register_forward_pre_hook(lambda _, args: (args[0] * per_feature,))
+
+    grads = []
+    for layer in (gated, plain):
+        inp = x.clone().requires_grad_()
+        out = layer(inp, inp, inp, pad, need_weights=False)[0]
+        params = [inp, layer.out_proj.weight, layer.q_proj.weight, sample]
+        grads.append((out, *torch.autograd.grad((out * out).sum(), params)))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want)
+
+
 def test_training_samples_new_gates_every_forward():
     x, pad = inputs()
     gated = attention(gates={**GATES, "log_alpha_init": 0.0}).train()
