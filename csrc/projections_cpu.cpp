@@ -138,9 +138,13 @@ class ProjectHeadsFunction : public torch::autograd::Function<ProjectHeadsFuncti
 std::vector<at::Tensor> project_heads_cpu(const at::Tensor& x, at::TensorList weights,
                                           const c10::List<c10::optional<at::Tensor>>& biases,
                                           int64_t head_dim) {
-  const Biases b = split_biases(biases);
-  return project_forward(x, std::vector<at::Tensor>(weights.begin(), weights.end()),
-                         all_biases(b.present, b.has_bias), head_dim);
+  std::vector<at::Tensor> each_bias;  // an undefined tensor for a projection without one
+  each_bias.reserve(biases.size());
+  for (size_t i = 0; i < biases.size(); ++i) {
+    each_bias.push_back(biases.get(i).value_or(at::Tensor()));
+  }
+  return project_forward(x, std::vector<at::Tensor>(weights.begin(), weights.end()), each_bias,
+                         head_dim);
 }
 
 std::vector<at::Tensor> project_heads_autograd(const at::Tensor& x, at::TensorList weights,
