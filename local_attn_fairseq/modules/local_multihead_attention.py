@@ -768,16 +768,20 @@ class LocalMultiheadAttention(nn.Module):
         """Concatenate the heads and project, each head's output gated (Voita et al.).
 
         A gate is one number per head for the whole batch, so gating a head's output equals
-        scaling out_proj's columns that read it: a pass over a (d, d) weight instead of over
-        every token's output. The gated weight is made in float32 (at least): a gate's
-        gradient sums over the whole weight and every token, beyond float16's range.
+        scaling out_proj's columns that read it. Whichever is smaller is scaled: the (d, d)
+        weight, or the outputs when the call has fewer tokens than d (a decoding step, a tiny
+        batch). In float32 at least: a gate's gradient sums over every token, beyond float16.
         """
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads * self.head_dim)
         if self.head_gates is None:
             return self.out_proj(out)
+        gates = self.head_gates().view(-1, 1)
         weight = self.out_proj.weight  # (embed_dim, heads * head_dim)
-        precise = weight.to(torch.promote_types(weight.dtype, torch.float32))
-        columns = precise.view(-1, self.num_heads, self.head_dim) * self.head_gates().view(-1, 1)
+        precise = torch.promote_types(weight.dtype, torch.float32)
+        if tgt_len * bsz < weight.size(0):
+            heads = out.to(precise).view(tgt_len, bsz, self.num_heads, self.head_dim) * gates
+            return self.out_proj(heads.view_as(out).to(out.dtype))
+        columns = weight.to(precise).view(-1, self.num_heads, self.head_dim) * gates
         return F.linear(out, columns.view_as(weight).to(weight.dtype), self.out_proj.bias)
 
     def _without_heads(self, query, key, need_weights, need_head_weights):

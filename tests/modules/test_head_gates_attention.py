@@ -69,11 +69,13 @@ def test_a_closed_gate_removes_exactly_that_heads_output():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gates_scale_each_heads_output_before_the_projection(dtype):
-    """Gated heads run as out_proj's columns scaled by their gates: the same output and the
-    same gradients (input, weights, gates) as multiplying each head's output by its gate."""
+@pytest.mark.parametrize("sentences", [3, 2])  # 21 tokens: the weight is scaled; 14 < E: outputs
+def test_gates_scale_each_heads_output_before_the_projection(dtype, sentences):
+    """Gated heads run as out_proj's columns scaled by their gates (or, with fewer tokens than
+    columns, as gated outputs): the same output and the same gradients (input, weights, gates)
+    as multiplying each head's output by its gate."""
     x, pad = inputs()
-    x = x.to(dtype)
+    x, pad = x[:, :sentences].to(dtype), pad[:sentences]
     gated = attention(MIXED_HEADS, gates=GATES, relative_max_distance=2).to(dtype)
     plain = attention(MIXED_HEADS, relative_max_distance=2).to(dtype)
     plain.load_state_dict(gated.state_dict(), strict=False)
