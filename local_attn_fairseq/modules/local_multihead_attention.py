@@ -770,7 +770,8 @@ class LocalMultiheadAttention(nn.Module):
         A gate is one number per head for the whole batch, so gating a head's output equals
         scaling out_proj's columns that read it. Whichever is smaller is scaled: the (d, d)
         weight, or the outputs when the call has fewer tokens than d (a decoding step, a tiny
-        batch). In float32 at least: a gate's gradient sums over every token, beyond float16.
+        batch) or when out_proj carries hooks (analysis tools read its input: the gated
+        outputs). In float32 at least: a gate's gradient sums over every token, beyond float16.
         """
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads * self.head_dim)
         if self.head_gates is None:
@@ -778,7 +779,8 @@ class LocalMultiheadAttention(nn.Module):
         gates = self.head_gates().view(-1, 1)
         weight = self.out_proj.weight  # (embed_dim, heads * head_dim)
         precise = torch.promote_types(weight.dtype, torch.float32)
-        if tgt_len * bsz < weight.size(0):
+        hooked = self.out_proj._forward_hooks or self.out_proj._forward_pre_hooks
+        if tgt_len * bsz < weight.size(0) or hooked:
             heads = out.to(precise).view(tgt_len, bsz, self.num_heads, self.head_dim) * gates
             return self.out_proj(heads.view_as(out).to(out.dtype))
         columns = weight.to(precise).view(-1, self.num_heads, self.head_dim) * gates

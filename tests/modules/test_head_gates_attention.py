@@ -94,6 +94,21 @@ def test_gates_scale_each_heads_output_before_the_projection(dtype, sentences):
         torch.testing.assert_close(got, want)
 
 
+def test_a_hook_on_out_proj_sees_the_gated_head_outputs():
+    """Analysis tools (LRP) read out_proj's input: with a hook there, a call with more tokens
+    than columns still hands out_proj the gated outputs, and computes the same layer."""
+    x, pad = inputs()
+    gated = attention(gates=GATES)
+    set_gates(gated, [3.0, -3.0, 3.0, 3.0])  # head 1 closed at test time
+    unhooked = gated(x, x, x, pad, need_weights=False)[0]
+    seen = []
+    gated.out_proj.register_forward_hook(lambda module, args, output: seen.append(args[0]))
+    torch.testing.assert_close(gated(x, x, x, pad, need_weights=False)[0], unhooked)
+    (head_outputs,) = seen
+    assert x.shape[0] * x.shape[1] >= E and head_outputs.shape == (7, 3, E)
+    assert head_outputs[..., 4:8].abs().max() == 0 and head_outputs[..., :4].abs().max() > 0
+
+
 def test_training_samples_new_gates_every_forward():
     x, pad = inputs()
     gated = attention(gates={**GATES, "log_alpha_init": 0.0}).train()
