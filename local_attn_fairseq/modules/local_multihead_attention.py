@@ -770,21 +770,23 @@ class LocalMultiheadAttention(nn.Module):
         A gate is one number per head for the whole batch, so gating a head's output equals
         scaling out_proj's columns that read it. Whichever is smaller is scaled: the (d, d)
         weight, or the outputs when the call has fewer tokens than d (a decoding step, a tiny
-        batch) or when out_proj carries hooks (analysis tools read its input: the gated
-        outputs). In float32 at least: a gate's gradient sums over every token, beyond float16.
+        batch) or when out_proj carries hooks of its own, which run only when it is called
+        (analysis tools read its input: the gated outputs). In float32 at least: a gate's
+        gradient sums over every token, beyond float16's range.
         """
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads * self.head_dim)
+        proj = self.out_proj
         if self.head_gates is None:
-            return self.out_proj(out)
+            return proj(out)
         gates = self.head_gates().view(-1, 1)
-        weight = self.out_proj.weight  # (embed_dim, heads * head_dim)
-        precise = torch.promote_types(weight.dtype, torch.float32)
-        hooked = self.out_proj._forward_hooks or self.out_proj._forward_pre_hooks
-        if tgt_len * bsz < weight.size(0) or hooked:
+        precise = torch.promote_types(proj.weight.dtype, torch.float32)
+        hooks = (proj._forward_hooks, proj._forward_pre_hooks, proj._backward_hooks,
+                 proj._backward_pre_hooks)  # fmt: skip
+        if tgt_len * bsz < proj.weight.size(0) or any(hooks):
             heads = out.to(precise).view(tgt_len, bsz, self.num_heads, self.head_dim) * gates
-            return self.out_proj(heads.view_as(out).to(out.dtype))
-        columns = weight.to(precise).view(-1, self.num_heads, self.head_dim) * gates
-        return F.linear(out, columns.view_as(weight).to(weight.dtype), self.out_proj.bias)
+            return proj(heads.view_as(out).to(out.dtype))
+        columns = proj.weight.to(precise).view(-1, self.num_heads, self.head_dim) * gates
+        return F.linear(out, columns.view_as(proj.weight).to(proj.weight.dtype), proj.bias)
 
     def _without_heads(self, query, key, need_weights, need_head_weights):
         """A layer whose heads were all pruned adds out_proj's bias to the residual, nothing

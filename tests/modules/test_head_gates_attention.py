@@ -109,6 +109,15 @@ def test_a_hook_on_out_proj_sees_the_gated_head_outputs():
     assert head_outputs[..., 4:8].abs().max() == 0 and head_outputs[..., :4].abs().max() > 0
 
 
+def test_a_backward_hook_on_out_proj_runs():
+    x, pad = inputs()
+    gated = attention(gates=GATES).train()
+    grads = []
+    gated.out_proj.register_full_backward_hook(lambda module, g_in, g_out: grads.append(g_out))
+    gated(x, x, x, pad, need_weights=False)[0].sum().backward()
+    assert len(grads) == 1
+
+
 def test_training_samples_new_gates_every_forward():
     x, pad = inputs()
     gated = attention(gates={**GATES, "log_alpha_init": 0.0}).train()
