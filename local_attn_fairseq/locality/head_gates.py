@@ -34,6 +34,7 @@ import math
 from typing import Dict, Iterable, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 DEFAULT_TEMPERATURE = 2.0 / 3.0
@@ -129,7 +130,9 @@ class HardConcreteGates(nn.Module):
         inverse_temperature = 1.0 / self.temperature
         noise = torch.logit(torch.rand_like(log_alpha), eps=_NOISE_EPS).mul_(inverse_temperature)
         s = torch.sigmoid(torch.add(noise, log_alpha, alpha=inverse_temperature))
-        return (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
+        # hardtanh, not clamp: the same values, and a backward of one operation instead of six
+        # (clamp's masks of both bounds); the two differ only at exactly 0 or 1
+        return F.hardtanh(s * (self.zeta - self.gamma) + self.gamma, 0.0, 1.0)
 
     def forward(self) -> Tensor:
         return self.sample() if self.training else self.deterministic()

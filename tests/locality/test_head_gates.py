@@ -83,6 +83,30 @@ def test_invalid_settings_are_rejected(kwargs):
         HardConcreteGates(2, **kwargs)
 
 
+def test_a_sample_is_the_papers_formula_in_twelve_operations():
+    """g = min(1, max(0, sigmoid((logit(u) + log_alpha) / beta) (zeta - gamma) + gamma)): the
+    same values and gradients as the formula written out, forward and backward in at most 12
+    operations (a training step draws every gated module's gates)."""
+    gates = HardConcreteGates(64, temperature=0.33, log_alpha_init=0.0)
+    with torch.no_grad():
+        gates.log_alpha.uniform_(-4, 4)
+    weights = torch.linspace(-1, 1, 64)
+    torch.manual_seed(3)
+    with OperationCounter() as operations:
+        sample = gates.sample()
+        sample.backward(weights)
+    torch.manual_seed(3)
+    u = torch.rand(64).clamp(1e-6, 1 - 1e-6)
+    log_alpha = gates.log_alpha.detach().clone().requires_grad_()
+    s = torch.sigmoid((torch.log(u) - torch.log(1 - u) + log_alpha) / 0.33)
+    expected = torch.clamp(s * 1.2 - 0.1, 0.0, 1.0)
+    expected.backward(weights)
+    assert 0 < (sample == 0).sum() and 0 < (sample == 1).sum() and (sample < 1).sum() > 10
+    torch.testing.assert_close(sample, expected)
+    torch.testing.assert_close(gates.log_alpha.grad, log_alpha.grad)
+    assert operations.count <= 12
+
+
 def test_gates_are_differentiable_through_samples():
     torch.manual_seed(0)
     gates = HardConcreteGates(3, log_alpha_init=0.0)
