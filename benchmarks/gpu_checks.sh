@@ -55,6 +55,7 @@ step tests tests.log 100 "$PYTHON" -m pytest -q -n 16 -rfEs \
     tests/ops/test_banded_tensor_core.py tests/ops/test_banded_attention.py \
     tests/ops/test_blocked_sdpa.py tests/ops/test_dispatch.py \
     tests/modules/test_mixed_precision.py tests/locality/test_dynamic_window.py \
+    tests/modules/test_localness_attention.py \
     -k "cuda or tensor_core or gpu" ${GPU_CHECKS_PYTEST_ARGS:-}
 step host_overhead host_overhead.log 40 "$PYTHON" benchmarks/host_overhead.py --device cuda \
     --rounds 5 --calls 100 --output "$OUT_DIR/host_overhead_cuda.md"
@@ -70,5 +71,13 @@ for tokens in 8192 32768; do
     step "throughput_$tokens" throughput.log 80 "$PYTHON" benchmarks/training_throughput.py \
         --device cuda --fp16 --base-sizes --max-tokens "$tokens" --mechanisms all --rounds 3 \
         --batches 5
+done
+# The Gaussian layers' bias as scaled_dot_product_attention's mask (LOCAL_ATTN_MECHANISM_IMPL=
+# sdpa), against the explicit route that `auto` takes in the runs above.
+for tokens in 8192 32768; do
+    step "throughput_localness_sdpa_$tokens" throughput.log 50 \
+        env LOCAL_ATTN_MECHANISM_IMPL=sdpa "$PYTHON" benchmarks/training_throughput.py \
+        --device cuda --fp16 --base-sizes --max-tokens "$tokens" --mechanisms localness \
+        --rounds 3 --batches 5
 done
 cat "$SUMMARY"

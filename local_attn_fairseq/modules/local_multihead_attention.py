@@ -34,6 +34,9 @@ nothing else, each head with its own Q/K) runs steps 2-6 as C++ operators
 or the one window's mask (or AW's term) where the layer has one of them, and one more call for
 each other term. On the CPU too, step 1 is one C++ call for every projection of the keys (and
 of the queries, in self-attention): Q, K, V, the windows' pointer keys and AW's local keys.
+Under ``LOCAL_ATTN_MECHANISM_IMPL=sdpa`` a layer whose only mechanism is the Gaussian bias on
+every head gives the bias, with the causal and padding masks, to ``scaled_dot_product_attention``
+as its additive mask (steps 2-6 in one call).
 
 The call signature, incremental state and returned weights follow
 ``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
@@ -219,6 +222,13 @@ class LocalMultiheadAttention(nn.Module):
             and not self.has_local_heads
             and self.relative_positions is None
             and self.groups_are_heads
+        )
+        # A layer whose only mechanism is the Gaussian bias on every head: its bias can be the
+        # additive mask of scaled_dot_product_attention (mechanisms.gaussian_bias_through_sdpa).
+        self.gaussian_only = (
+            len(self.gaussian_heads) == self.num_heads > 0
+            and not (self.has_local_heads or self.has_head_masks or self.dynamic_windows)
+            and self.relative_positions is None
         )
         # Modules holding the Wq/Wk of other layers; kept out of _modules so that a tied
         # parameter is registered (and saved, counted, averaged) exactly once.
@@ -406,6 +416,9 @@ class LocalMultiheadAttention(nn.Module):
         if self._can_use_fused(need_weights, before_softmax):
             out = self._fused_attention(q, k, v, key_padding_mask, attn_mask)
             return self._merge_heads(out, tgt_len, bsz), None
+        if self._can_use_gaussian_sdpa(need_weights, before_softmax):
+            out = self._gaussian_sdpa_attention(q, k, v, key_padding_mask, attn_mask)
+            return self._merge_heads(out, tgt_len, bsz), None
         if self._can_use_banded(need_weights, before_softmax, tgt_len, src_len, attn_mask):
             out = self._banded_attention(q, k, v, key_padding_mask)
             return self._merge_heads(out, tgt_len, bsz), None
@@ -490,18 +503,62 @@ class LocalMultiheadAttention(nn.Module):
 
     def _add_localness(self, logits, q, k, key_padding_mask):
         """Add the Gaussian bias to the logits (bsz, heads, tgt, src) of the Gaussian heads."""
+        if len(self.gaussian_heads) == self.num_heads:
+            return self._localness_term(q, k, key_padding_mask, logits)
+        result = self._localness_term(q, k, key_padding_mask)
+        return logits.index_add(1, self.gaussian_head_index, result)
+
+    def _localness_term(self, q, k, key_padding_mask, logits=None):
+        """The Gaussian heads' float32 bias (bsz, Gaussian heads, tgt, src), or ``logits`` plus
+        the bias of every head in one operation."""
         flat_q = _full_query(q)
         # only the layer strategy reads the keys' values; the others their sizes (no copy)
         flat_k = k.transpose(1, 2)
         if self.localness.strategy == "layer":
             flat_k = flat_k.flatten(2)
-        every_head = len(self.gaussian_heads) == self.num_heads
         result, centre, window = self.localness(
-            flat_q, flat_k, key_padding_mask, self.causal, logits if every_head else None
+            flat_q, flat_k, key_padding_mask, self.causal, logits
         )
         if self.record_localness:
             self.last_localness = (centre.detach(), window.detach())
-        return result if every_head else logits.index_add(1, self.gaussian_head_index, result)
+        return result
+
+    def _can_use_gaussian_sdpa(self, need_weights, before_softmax):
+        return (
+            self.gaussian_only
+            and self.groups_are_heads
+            and not (need_weights or before_softmax)
+            and mechanisms.gaussian_bias_through_sdpa()
+        )
+
+    def _gaussian_sdpa_attention(self, q, k, v, key_padding_mask, attn_mask):
+        """Steps 2-6 of a layer whose every head has the Gaussian bias (and nothing else) in
+        one ``scaled_dot_product_attention`` call, the bias with the causal and padding masks
+        as its additive mask.
+
+        Rows without a single key are left unmasked and their outputs zeroed, as on the
+        explicit route. In half precision each row of the float32 mask is first shifted by its
+        largest value, which softmax ignores: a narrow window's bias (-2 (j - P)^2 / D^2) can
+        be below float16's range on every key of a row, which would make the row all -inf, and
+        bfloat16 keeps the differences between large biases only after the shift.
+        """
+        mask = self._localness_term(q, k, key_padding_mask)  # float32 (bsz, heads, tgt, src)
+        blocked = _additive_mask(key_padding_mask, attn_mask, mask.dtype, mask.device)
+        no_key = None
+        if blocked is not None:
+            no_key = torch.isneginf(blocked).all(dim=-1, keepdim=True)
+            mask = mask + blocked.masked_fill(no_key, 0.0)
+        if q.dtype in (torch.float16, torch.bfloat16):
+            mask = mask - mask.amax(dim=-1, keepdim=True).detach()
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask.to(q.dtype),
+            dropout_p=self._attention_dropout_p(),
+            scale=self.scaling,
+        )
+        return out if no_key is None else out.masked_fill(no_key, 0.0)
 
     # -- dynamic windows (Nguyen et al.) -----------------------------------------------------
     def _project_window_keys(self, key: Tensor) -> Dict[str, Tensor]:
@@ -740,13 +797,7 @@ class LocalMultiheadAttention(nn.Module):
         return plain_heads and self.groups_are_heads and not (need_weights or before_softmax)
 
     def _fused_attention(self, q, k, v, key_padding_mask, attn_mask):
-        mask = None
-        if attn_mask is not None:
-            mask = attn_mask.to(q.dtype)[None, None]
-        if key_padding_mask is not None:
-            pad = torch.zeros(key_padding_mask.shape, dtype=q.dtype, device=q.device)
-            pad = pad.masked_fill(key_padding_mask.to(torch.bool), float("-inf"))[:, None, None]
-            mask = pad if mask is None else mask + pad
+        mask = _additive_mask(key_padding_mask, attn_mask, q.dtype, q.device)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self._attention_dropout_p()
         )
@@ -855,6 +906,17 @@ class LocalMultiheadAttention(nn.Module):
     def extra_repr(self):
         heads = " ".join(s.token for s in self.head_specs)
         return f"layer={self.layer_index}, heads=[{heads}]"
+
+
+def _additive_mask(key_padding_mask, attn_mask, dtype, device) -> Optional[Tensor]:
+    """The causal (or any additive) mask and the key padding as one additive mask of 0 and -inf,
+    (bsz or 1, 1, tgt or 1, src), or None when there is neither."""
+    mask = None if attn_mask is None else attn_mask.to(dtype)[None, None]
+    if key_padding_mask is not None:
+        pad = torch.zeros(key_padding_mask.shape, dtype=dtype, device=device)
+        pad = pad.masked_fill(key_padding_mask.to(torch.bool), float("-inf"))[:, None, None]
+        mask = pad if mask is None else mask + pad
+    return mask
 
 
 def _full_query(q: Tensor) -> Tensor:

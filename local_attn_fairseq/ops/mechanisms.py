@@ -20,7 +20,11 @@ define the computations and call these operators when
 ``torch.compile``) they compute them in PyTorch, with the same results.
 
 ``LOCAL_ATTN_MECHANISM_IMPL=torch`` keeps every call in PyTorch (``auto``, the default, uses
-the operators where they apply).
+the operators where they apply). ``sdpa`` is ``auto`` plus one route that no GPU has measured
+yet, so that ``auto`` does not take it: a layer whose only mechanism is the Gaussian bias on
+every head hands the bias to ``scaled_dot_product_attention`` as its additive mask (on a GPU,
+softmax, dropout and both products in one fused kernel, where the backend takes a mask that
+needs a gradient), instead of float32 logits, softmax, dropout and product, one operation each.
 """
 
 import os
@@ -32,7 +36,7 @@ from torch import Tensor
 from .banded_attention import _op_defined, load_extension
 
 IMPL_ENV = "LOCAL_ATTN_MECHANISM_IMPL"
-IMPLS = ("auto", "torch")
+IMPLS = ("auto", "torch", "sdpa")
 
 
 class _OperatorState:
@@ -66,6 +70,12 @@ def cpu_operators_apply(*tensors: Tensor) -> bool:
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return False
     return _operators_built()
+
+
+def gaussian_bias_through_sdpa() -> bool:
+    """Whether a layer whose every head has the Gaussian bias, and no other mechanism, gives the
+    bias to ``scaled_dot_product_attention`` (``LOCAL_ATTN_MECHANISM_IMPL=sdpa``)."""
+    return _chosen_impl() == "sdpa"
 
 
 def project_heads(

@@ -1,9 +1,13 @@
 """Gaussian localness and relative positions through fairseq's CLI and model API."""
 
+import json
+
 import pytest
 from fairseq import checkpoint_utils
 
 from local_attn_fairseq.analysis.localness import localness_windows
+from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
+from local_attn_fairseq.ops import mechanisms
 
 from .helpers import assert_incremental_decoding_matches_full_forward, build_model
 from ..conftest import TINY_MODEL, train_tiny
@@ -46,6 +50,37 @@ def test_default_is_query_specific_in_encoder_layers_0_to_2(tiny_data):
     assert with_gauss == [0, 1, 2]
     assert model.encoder.layers[0].self_attn.localness.strategy == "query"
     assert all(layer.self_attn.localness is None for layer in model.decoder.layers)
+
+
+def test_gaussian_layers_train_alike_through_sdpa(tiny_data, tmp_path, monkeypatch):
+    """LOCAL_ATTN_MECHANISM_IMPL=sdpa (each Gaussian layer's bias handed to
+    scaled_dot_product_attention as its mask) trains the model the explicit route trains: the
+    losses and gradient norms fairseq-train logs, to their three decimals."""
+    taken = []
+    route = LocalMultiheadAttention._gaussian_sdpa_attention
+
+    def counted(self, *args):
+        taken.append(self.layer_index)
+        return route(self, *args)
+
+    monkeypatch.setattr(LocalMultiheadAttention, "_gaussian_sdpa_attention", counted)
+    logs = {}
+    for impl in ("torch", "sdpa"):
+        monkeypatch.setenv(mechanisms.IMPL_ENV, impl)
+        run = train_tiny(
+            tiny_data, tmp_path / impl, "--log-format", "json", arch="transformer_localness"
+        )
+        logs[impl] = [
+            json.loads(line.split(" | ")[-1])
+            for line in run.stdout.splitlines()
+            if " | train_inner | " in line
+        ]
+        # the explicit route never, the one-call route in encoder layers 0-2 of every pass
+        assert sorted(set(taken)) == ([] if impl == "torch" else [0, 1, 2])
+    assert len(logs["sdpa"]) == len(logs["torch"]) == 2
+    for ours, ref in zip(logs["sdpa"], logs["torch"]):
+        for key in ("loss", "gnorm"):
+            assert float(ours[key]) == pytest.approx(float(ref[key]), abs=1e-3), key
 
 
 def test_parameter_growth_matches_the_paper(tiny_data):

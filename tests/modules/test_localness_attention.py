@@ -1,10 +1,14 @@
 """Gaussian localness and relative positions inside LocalMultiheadAttention."""
 
+import contextlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from local_attn_fairseq.locality.spec import HeadSpec
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
+from local_attn_fairseq.ops import mechanisms
 
 from .helpers import decode_step_by_step
 
@@ -144,3 +148,153 @@ def test_tied_gaussian_heads_match_a_written_out_reference():
     torch.testing.assert_close(w, expected_w, atol=1e-5, rtol=1e-4)
     expected = torch.einsum("hbts,bhsd->bhtd", expected_w, v).permute(2, 0, 1, 3).reshape(5, 2, E)
     torch.testing.assert_close(out, attn.out_proj(expected), atol=1e-5, rtol=1e-4)
+
+
+# -- LOCAL_ATTN_MECHANISM_IMPL=sdpa: the bias as scaled_dot_product_attention's mask ------------
+
+EVERY_HEAD_GAUSSIAN = [HeadSpec("global", None, True)] * H
+
+
+def gaussian_layer(causal=False, dtype=torch.float32, **localness):
+    torch.manual_seed(0)
+    attn = LocalMultiheadAttention(
+        E,
+        H,
+        head_specs=EVERY_HEAD_GAUSSIAN,
+        causal=causal,
+        self_attention=True,
+        localness={"window": "query", **localness},
+    )
+    attn.bind_qk_owners([attn])
+    return attn.to(dtype).train()
+
+
+def count_sdpa_calls(monkeypatch):
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("dropout_p", 0.0))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gaussian_layer_through_sdpa_equals_the_explicit_route(monkeypatch, causal):
+    """Outputs and gradients (input and every parameter) of the one-call route equal those of
+    logits + bias, masks, softmax and product; left padding, and a sentence that is all
+    padding, whose outputs are zeros. ``auto`` keeps the explicit route."""
+    attn = gaussian_layer(causal)
+    x = torch.randn(6, 3, E, requires_grad=True)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[0, :2] = True
+    pad[2] = True
+    future = FUTURE(6) if causal else None
+    leaves = [x, *attn.parameters()]
+    calls = count_sdpa_calls(monkeypatch)
+
+    def outputs_and_gradients(impl):
+        monkeypatch.setenv(mechanisms.IMPL_ENV, impl)
+        for leaf in leaves:
+            leaf.grad = None
+        out = attn(x, x, x, key_padding_mask=pad, need_weights=False, attn_mask=future)[0]
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
+        return out.detach(), [leaf.grad.clone() for leaf in leaves]
+
+    out, grads = outputs_and_gradients("sdpa")
+    assert len(calls) == 1
+    ref, ref_grads = outputs_and_gradients("torch")
+    outputs_and_gradients("auto")
+    assert len(calls) == 1  # neither the explicit route nor auto called it
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for grad, want in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4)
+    assert not out[:, 2].any() and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_gaussian_sdpa_route_keeps_a_narrow_window_in_float16(monkeypatch):
+    """A window of 0.001 puts the bias below float16's range on every key of a row
+    (-2 (j - P)^2 / D^2 < -65504 already at |j - P| = 0.5): the row is shifted by its largest
+    value first, so the nearest key still wins, as in float32."""
+    reference = gaussian_layer(window="fixed", fixed_window=0.001)
+    half = gaussian_layer(dtype=torch.float16, window="fixed", fixed_window=0.001)
+    half.load_state_dict(reference.state_dict())
+    x = torch.randn(12, 2, E)
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[0, :3] = True
+    monkeypatch.setenv(mechanisms.IMPL_ENV, "torch")
+    want = reference(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+    monkeypatch.setenv(mechanisms.IMPL_ENV, "sdpa")
+    x16 = x.half().requires_grad_()
+    out = half(x16, x16, x16, key_padding_mask=pad, need_weights=False)[0]
+    out.float().sum().backward()
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+    assert torch.isfinite(x16.grad).all()
+
+
+def test_gaussian_sdpa_route_applies_the_attention_dropout(monkeypatch):
+    attn = LocalMultiheadAttention(
+        E, H, head_specs=EVERY_HEAD_GAUSSIAN, self_attention=True, dropout=0.25
+    )
+    attn.bind_qk_owners([attn])
+    monkeypatch.setenv(mechanisms.IMPL_ENV, "sdpa")
+    calls = count_sdpa_calls(monkeypatch)
+    x = torch.randn(5, 2, E)
+    attn.train()(x, x, x, need_weights=False)
+    attn.eval()(x, x, x, need_weights=False)
+    assert calls == [0.25, 0.0]
+
+
+def test_gaussian_sdpa_route_decodes_step_by_step_as_the_full_pass(monkeypatch):
+    monkeypatch.setenv(mechanisms.IMPL_ENV, "sdpa")
+    attn = gaussian_layer(causal=True).eval()
+    calls = count_sdpa_calls(monkeypatch)
+    x = torch.randn(6, 2, E)
+    full, _ = attn(x, x, x, attn_mask=FUTURE(6), need_weights=False)
+    steps = decode_step_by_step(attn, x, need_weights=False)
+    assert len(calls) == 7  # the full pass and each of the six steps
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-4)
+
+
+def relative_error(found: torch.Tensor, want: torch.Tensor) -> float:
+    return ((found.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["any", "efficient"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gaussian_sdpa_route_on_cuda_matches_the_explicit_route(monkeypatch, dtype, backend):
+    """On a GPU in half precision, as fairseq-train --fp16 / --bf16 runs it: outputs and
+    gradients of the one-call route against the explicit route's. ``efficient`` pins PyTorch's
+    memory-efficient kernel, which fuses a mask that needs a gradient."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    attn = LocalMultiheadAttention(
+        64, 4, head_specs=[HeadSpec("global", None, True)] * 4, self_attention=True
+    )
+    attn.bind_qk_owners([attn])
+    attn = attn.to(device="cuda", dtype=dtype).train()
+    x = torch.randn(40, 8, 64, device="cuda", dtype=dtype, requires_grad=True)
+    pad = torch.zeros(8, 40, dtype=torch.bool, device="cuda")
+    pad[::2, :11] = True
+    # k_proj's bias moves every logit of a row alike, which softmax ignores: its gradient is 0
+    # up to rounding on both routes, so it has no relative error to compare
+    leaves = [x] + [p for name, p in attn.named_parameters() if name != "k_proj.bias"]
+    results = {}
+    for impl in ("sdpa", "torch"):
+        monkeypatch.setenv(mechanisms.IMPL_ENV, impl)
+        for leaf in leaves:
+            leaf.grad = None
+        pinned = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]) if backend == "efficient" else None
+        with pinned or contextlib.nullcontext():
+            out = attn(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+            out.float().square().sum().backward()
+        results[impl] = (out.detach(), [leaf.grad.clone() for leaf in leaves])
+    (out, grads), (ref, ref_grads) = results["sdpa"], results["torch"]
+    tolerance = 2e-2 if dtype == torch.float16 else 6e-2
+    assert relative_error(out, ref) < tolerance
+    for grad, want in zip(grads, ref_grads):
+        assert torch.isfinite(grad).all() and relative_error(grad, want) < tolerance
