@@ -130,7 +130,7 @@ class HardConcreteGates(nn.Module):
         inverse_temperature = 1.0 / self.temperature
         noise = torch.logit(torch.rand_like(log_alpha), eps=_NOISE_EPS).mul_(inverse_temperature)
         s = torch.sigmoid(torch.add(noise, log_alpha, alpha=inverse_temperature))
-        # hardtanh, not clamp: the same values, and a backward of one operation instead of six
+        # hardtanh, not clamp: the same values, and a backward of one operation instead of five
         # (clamp's masks of both bounds); the two differ only at exactly 0 or 1
         return F.hardtanh(s * (self.zeta - self.gamma) + self.gamma, 0.0, 1.0)
 

@@ -223,12 +223,14 @@ class LocalMultiheadAttention(nn.Module):
             and self.relative_positions is None
             and self.groups_are_heads
         )
-        # A layer whose only mechanism is the Gaussian bias on every head: its bias can be the
-        # additive mask of scaled_dot_product_attention (mechanisms.gaussian_bias_through_sdpa).
+        # A layer whose only mechanism is the Gaussian bias on every head, each head with its
+        # own Q/K: its bias can be the additive mask of scaled_dot_product_attention
+        # (mechanisms.gaussian_bias_through_sdpa).
         self.gaussian_only = (
             len(self.gaussian_heads) == self.num_heads > 0
             and not (self.has_local_heads or self.has_head_masks or self.dynamic_windows)
             and self.relative_positions is None
+            and self.groups_are_heads
         )
         # Modules holding the Wq/Wk of other layers; kept out of _modules so that a tied
         # parameter is registered (and saved, counted, averaged) exactly once.
@@ -526,7 +528,6 @@ class LocalMultiheadAttention(nn.Module):
     def _can_use_gaussian_sdpa(self, need_weights, before_softmax):
         return (
             self.gaussian_only
-            and self.groups_are_heads
             and not (need_weights or before_softmax)
             and mechanisms.gaussian_bias_through_sdpa()
         )

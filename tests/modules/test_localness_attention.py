@@ -152,17 +152,16 @@ def test_tied_gaussian_heads_match_a_written_out_reference():
 
 # -- LOCAL_ATTN_MECHANISM_IMPL=sdpa: the bias as scaled_dot_product_attention's mask ------------
 
-EVERY_HEAD_GAUSSIAN = [HeadSpec("global", None, True)] * H
-
-
-def gaussian_layer(causal=False, dtype=torch.float32, **localness):
+def gaussian_layer(causal=False, dtype=torch.float32, dim=E, heads=H, dropout=0.0, **localness):
+    """A self-attention layer whose every head has the Gaussian bias and nothing else."""
     torch.manual_seed(0)
     attn = LocalMultiheadAttention(
-        E,
-        H,
-        head_specs=EVERY_HEAD_GAUSSIAN,
+        dim,
+        heads,
+        head_specs=[HeadSpec("global", None, True)] * heads,
         causal=causal,
         self_attention=True,
+        dropout=dropout,
         localness={"window": "query", **localness},
     )
     attn.bind_qk_owners([attn])
@@ -235,10 +234,7 @@ def test_gaussian_sdpa_route_keeps_a_narrow_window_in_float16(monkeypatch):
 
 
 def test_gaussian_sdpa_route_applies_the_attention_dropout(monkeypatch):
-    attn = LocalMultiheadAttention(
-        E, H, head_specs=EVERY_HEAD_GAUSSIAN, self_attention=True, dropout=0.25
-    )
-    attn.bind_qk_owners([attn])
+    attn = gaussian_layer(dropout=0.25)
     monkeypatch.setenv(mechanisms.IMPL_ENV, "sdpa")
     calls = count_sdpa_calls(monkeypatch)
     x = torch.randn(5, 2, E)
@@ -271,12 +267,7 @@ def test_gaussian_sdpa_route_on_cuda_matches_the_explicit_route(monkeypatch, dty
     memory-efficient kernel, which fuses a mask that needs a gradient."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    torch.manual_seed(0)
-    attn = LocalMultiheadAttention(
-        64, 4, head_specs=[HeadSpec("global", None, True)] * 4, self_attention=True
-    )
-    attn.bind_qk_owners([attn])
-    attn = attn.to(device="cuda", dtype=dtype).train()
+    attn = gaussian_layer(dtype=dtype, dim=64, heads=4).cuda()
     x = torch.randn(40, 8, 64, device="cuda", dtype=dtype, requires_grad=True)
     pad = torch.zeros(8, 40, dtype=torch.bool, device="cuda")
     pad[::2, :11] = True
