@@ -1,3 +1,3 @@
-"""The L0-regularised criterion of Voita et al.: label smoothing plus the head gates' penalty."""
+"""The L0-regularised criteria of Voita et al.: a fairseq loss plus the head gates' penalty."""
 
-from . import label_smoothed_cross_entropy_l0  # noqa: F401
+from . import label_smoothed_cross_entropy_l0, sentence_prediction_l0  # noqa: F401

@@ -1,53 +1,27 @@
 """``--criterion label_smoothed_cross_entropy_l0``: label-smoothed cross-entropy plus lambda times
-the L0 relaxation of the head gates, L = L_xent + lambda L_C (Voita et al. 2019, Section 6.1).
+the L0 relaxation of the head gates, L = L_xent + lambda L_C (Voita et al. 2019, Section 6.1),
+for translation, speech translation and language modelling; ``l0_penalty`` says how the penalty
+is weighed and logged."""
 
-fairseq sums the loss over the batch's tokens and divides the gradient by the sample size, so the
-penalty enters as lambda * L_C * sample_size: lambda weighs L_C against the per-token
-cross-entropy, as in the paper. ``--l0-penalty-scale`` says what L_C is: ``sum`` (default), the
-paper's sum over every gated head of the model; ``per-layer-mean``, that sum divided by the
-number of gated attention modules, as Voita et al.'s code computes it, so that a coefficient
-from her scripts is lambda here unchanged (under ``sum``, lambda = her coefficient / that
-number). The model is asked for its penalty (``head_gate_penalty``); the logs show the penalty
-lambda multiplies and the number of heads open under the test-time gates, per attention type.
-"""
-
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fairseq.criterions import register_criterion
-from fairseq.dataclass import ChoiceEnum
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
 )
-from fairseq.logging import metrics
 
-from ..locality.head_gates import DEFAULT_L0_PENALTY_SCALE, L0_PENALTY_SCALES, open_head_counts
-
-ATTENTION_TYPE_LOG_NAMES = {
-    "encoder_self": "open_enc",
-    "decoder_self": "open_dec",
-    "decoder_cross": "open_cross",
-}
+from ..locality.head_gates import DEFAULT_L0_PENALTY_SCALE
+from .l0_penalty import L0Penalty, L0PenaltyConfig
 
 
 @dataclass
-class LabelSmoothedCrossEntropyL0Config(LabelSmoothedCrossEntropyCriterionConfig):
-    l0_lambda: float = field(
-        default=0.01,
-        metadata={"help": "weight lambda of the L0 penalty on the head gates (Voita et al.)"},
-    )
-    l0_penalty_scale: ChoiceEnum(L0_PENALTY_SCALES) = field(
-        default=DEFAULT_L0_PENALTY_SCALE,
-        metadata={
-            "help": "L_C that lambda multiplies: 'sum' over every gated head (the paper), or "
-            "'per-layer-mean', the sum divided by the number of gated attention modules "
-            "(Voita et al.'s code: use her coefficient as --l0-lambda)"
-        },
-    )
+class LabelSmoothedCrossEntropyL0Config(LabelSmoothedCrossEntropyCriterionConfig, L0PenaltyConfig):
+    pass
 
 
 @register_criterion("label_smoothed_cross_entropy_l0", dataclass=LabelSmoothedCrossEntropyL0Config)
-class LabelSmoothedCrossEntropyL0Criterion(LabelSmoothedCrossEntropyCriterion):
+class LabelSmoothedCrossEntropyL0Criterion(L0Penalty, LabelSmoothedCrossEntropyCriterion):
     def __init__(
         self,
         task,
@@ -59,41 +33,4 @@ class LabelSmoothedCrossEntropyL0Criterion(LabelSmoothedCrossEntropyCriterion):
         l0_penalty_scale=DEFAULT_L0_PENALTY_SCALE,
     ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        if l0_lambda < 0:
-            raise ValueError(f"--l0-lambda must be >= 0, got {l0_lambda}")
-        scale = str(l0_penalty_scale)
-        if scale not in L0_PENALTY_SCALES:
-            raise ValueError(
-                f"--l0-penalty-scale must be one of {', '.join(L0_PENALTY_SCALES)}, got {scale!r}"
-            )
-        self.l0_lambda = l0_lambda
-        self.l0_penalty_scale = scale
-
-    def forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
-        if not hasattr(model, "head_gate_penalty"):
-            raise ValueError(
-                f"{type(model).__name__} has no head gates; label_smoothed_cross_entropy_l0 "
-                "needs a local_attn_fairseq model trained with --head-gates"
-            )
-        penalty = model.head_gate_penalty(self.l0_penalty_scale)
-        loss = loss + self.l0_lambda * penalty * sample_size
-        logging_output["loss"] = loss.data
-        logging_output["l0_penalty"] = penalty.data
-        logging_output["nbatches"] = 1
-        for attn_type, count in open_head_counts(model).items():
-            logging_output[ATTENTION_TYPE_LOG_NAMES[attn_type]] = count
-        return loss, sample_size, logging_output
-
-    @classmethod
-    def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
-        batches = sum(log.get("nbatches", 0) for log in logging_outputs)
-        if not batches:
-            return
-        penalty = sum(float(log.get("l0_penalty", 0)) for log in logging_outputs)
-        metrics.log_scalar("l0_penalty", penalty / batches, batches, round=2)
-        for name in ATTENTION_TYPE_LOG_NAMES.values():
-            if any(name in log for log in logging_outputs):
-                total = sum(log.get(name, 0) for log in logging_outputs)
-                metrics.log_scalar(name, total / batches, batches, round=1)
+        self.set_l0_penalty(l0_lambda, l0_penalty_scale)

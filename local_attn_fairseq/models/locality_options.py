@@ -3,9 +3,15 @@ they build for a model of a given shape, the dynamic-window defaults of the arch
 head-gate queries the L0 criterion makes.
 """
 
+import logging
+
+from ..checkpoint_files import current_fairseq_train_run
+from ..criterions.l0_penalty import adds_l0_penalty, l0_criterion_names
 from ..locality import head_gates
 from ..locality.gaussian import CENTRE_CONVENTIONS, WINDOW_STRATEGIES
 from ..locality.spec import LocalitySpec, LocalitySpecError, load_spec_config, preset_names
+
+logger = logging.getLogger(__name__)
 
 
 def locality_spec_for_attention(cfg, num_layers: dict, num_heads: dict, model_name: str):
@@ -24,6 +30,25 @@ def locality_spec_for_attention(cfg, num_layers: dict, num_heads: dict, model_na
             f"invalid locality spec (--locality-config and the options that add to it) for "
             f"{model_name} (attention types: {types}): {e}"
         ) from None
+
+
+def settle_spec(args, spec: LocalitySpec) -> LocalitySpec:
+    """What a model's build_model does with its validated spec: keep the layers that
+    ``--*-layers-to-keep`` leave, store the spec in ``args`` (a checkpoint rebuilds the model
+    from it) and log it; under fairseq-train, warn when head gates would train without the L0
+    penalty, which only the ``*_l0`` criteria add (Voita et al. train the gates with it)."""
+    spec = keep_layers_of_spec(args, spec)
+    args.locality_config = spec.to_json()
+    logger.info(spec.describe())
+    gated = spec.head_gates["attention"]
+    criterion = getattr(args, "criterion", None)
+    if gated and current_fairseq_train_run() is not None and not adds_l0_penalty(criterion):
+        logger.warning(
+            f"head gates on {', '.join(gated)} train without the L0 penalty: --criterion "
+            f"{criterion} does not add it; {' or '.join(l0_criterion_names())} does (its "
+            "--l0-lambda 0 trains the gates without it on purpose)"
+        )
+    return spec
 
 
 # fairseq's LayerDrop pruning options: the attention types each one cuts, and the layer count

@@ -10,8 +10,6 @@ validated spec replaces ``--locality-config`` in the saved arguments, so a check
 itself.
 """
 
-import logging
-
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.roberta.model import RobertaEncoder, RobertaModel
 from fairseq.models.roberta.model import base_architecture as roberta_base_architecture
@@ -25,13 +23,11 @@ from .locality_options import (
     HeadGateQueries,
     add_locality_args,
     default_dynamic_window,
-    keep_layers_of_spec,
     locality_spec_for_attention,
+    settle_spec,
 )
 from .precision_check import check_training_precision
 from .resume_check import use_stored_options_on_resume
-
-logger = logging.getLogger(__name__)
 
 
 def encoder_locality_spec(args) -> LocalitySpec:
@@ -72,9 +68,7 @@ class LocalRobertaModel(HeadGateQueries, RobertaModel):
         check_training_precision(args)
         use_stored_options_on_resume(cls, args)
         roberta_base_architecture(args)
-        spec = keep_layers_of_spec(args, encoder_locality_spec(args))
-        args.locality_config = spec.to_json()
-        logger.info(spec.describe())
+        spec = settle_spec(args, encoder_locality_spec(args))
         if not safe_hasattr(args, "max_positions"):
             # masked LM training names the length tokens_per_sample; sentence_prediction sets it
             args.max_positions = getattr(args, "tokens_per_sample", None) or task.max_positions()

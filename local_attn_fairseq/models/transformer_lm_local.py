@@ -8,8 +8,6 @@ rebuild the same model from the checkpoint alone. Train with fairseq's ``languag
 task; the dynamic windows decode incrementally with the same outputs as the full forward pass.
 """
 
-import logging
-
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerConfig
@@ -27,14 +25,12 @@ from .locality_options import (
     HeadGateQueries,
     add_locality_args,
     default_dynamic_window,
-    keep_layers_of_spec,
     first_layers,
     locality_spec_for_attention,
+    settle_spec,
 )
 from .precision_check import check_training_precision
 from .resume_check import use_stored_options_on_resume
-
-logger = logging.getLogger(__name__)
 
 
 def lm_locality_spec(args) -> LocalitySpec:
@@ -75,9 +71,7 @@ class LocalTransformerLanguageModel(HeadGateQueries, TransformerLanguageModel):
             # after base_lm_architecture, which sets pre-norm unconditionally
             args.decoder_normalize_before = False
         _reject_unsupported_inputs(args)
-        spec = keep_layers_of_spec(args, lm_locality_spec(args))
-        args.locality_config = spec.to_json()
-        logger.info(spec.describe())
+        spec = settle_spec(args, lm_locality_spec(args))
         if safe_getattr(args, "max_target_positions", None) is None:
             args.max_target_positions = safe_getattr(
                 args, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS

@@ -19,9 +19,9 @@ from .locality_options import (
     HeadGateQueries,
     add_locality_args,
     default_dynamic_window,
-    keep_layers_of_spec,
     first_layers,
     locality_spec_for_attention,
+    settle_spec,
 )
 from .precision_check import check_training_precision
 from .resume_check import use_stored_options_on_resume
@@ -42,12 +42,18 @@ def locality_spec_from_cfg(cfg) -> LocalitySpec:
     )
     enc_heads = dim("encoder_attention_heads", "encoder", "attention_heads")
     dec_heads = dim("decoder_attention_heads", "decoder", "attention_heads")
-    return locality_spec_for_attention(
-        cfg,
-        {"encoder_self": enc_layers, "decoder_self": dec_layers, "decoder_cross": dec_layers},
-        {"encoder_self": enc_heads, "decoder_self": dec_heads, "decoder_cross": dec_heads},
-        "a Transformer",
-    )
+    num_layers = {"encoder_self": enc_layers, "decoder_self": dec_layers}
+    num_heads = {"encoder_self": enc_heads, "decoder_self": dec_heads}
+    name = "a Transformer"
+    if has_cross_attention(cfg):
+        num_layers["decoder_cross"], num_heads["decoder_cross"] = dec_layers, dec_heads
+    else:  # settings for cross-attention would be silently unused: refused instead
+        name += " without cross-attention (--no-cross-attention)"
+    return locality_spec_for_attention(cfg, num_layers, num_heads, name)
+
+
+def has_cross_attention(cfg) -> bool:
+    return not getattr(cfg, "no_cross_attention", False)
 
 
 @register_model("transformer_local")
@@ -79,9 +85,7 @@ class LocalTransformerModel(HeadGateQueries, TransformerModel):
         check_training_precision(args)
         use_stored_options_on_resume(cls, args)
         base_architecture(args)
-        spec = keep_layers_of_spec(args, locality_spec_from_cfg(args))
-        args.locality_config = spec.to_json()
-        logger.info(spec.describe())
+        settle_spec(args, locality_spec_from_cfg(args))
         model = super().build_model(args, task)
         # The encoder weights now come from the checkpoint being trained; rebuilding this model
         # later (fairseq-generate, resuming) must not need the pretrained file any more.
@@ -217,14 +221,14 @@ def transformer_dynwin(args):
     --dynamic-window changes the layout of the attention types it names."""
     transformer_local_base(args)
     enc, dec = first_layers(3, args.encoder_layers), first_layers(3, args.decoder_layers)
-    default_dynamic_window(
-        args,
-        {
-            "encoder_self": f"aw:{enc}",
-            "decoder_cross": f"aw-seg:{dec}",
-            "decoder_self": f"mw:{dec}",
-        },
-    )
+    layout = {
+        "encoder_self": f"aw:{enc}",
+        "decoder_cross": f"aw-seg:{dec}",
+        "decoder_self": f"mw:{dec}",
+    }
+    if not has_cross_attention(args):  # --no-cross-attention: Enc(AW) - Dec(MW)
+        del layout["decoder_cross"]
+    default_dynamic_window(args, layout)
 
 
 @register_model_architecture("transformer_local", "transformer_dynwin_iwslt_de_en")

@@ -137,3 +137,44 @@ def test_local_heads_train_and_generate(tiny_data, tmp_path):
                                  LOCAL_HEADS, *TINY_MODEL)  # fmt: skip
     assert model.encoder.layers[0].self_attn.all_heads_local
     assert_incremental_decoding_matches_full_forward(model, task)
+
+
+EVERY_HEAD_LOCAL = "[local-2, local-2, local-2, local-2, local-2, local-2, local-2, local-2]"
+
+
+@pytest.mark.parametrize(
+    "arch,options,message",
+    [
+        ("transformer_local", ["--head-gates", "enc,cross"],
+         "head_gates: this model has no decoder_cross attention"),
+        ("transformer_local", ["--locality-config", f"{{decoder_cross: {{0: {EVERY_HEAD_LOCAL}}}}}"],
+         "this model has no decoder_cross attention"),
+        ("transformer_local", ["--localness-layers", "decoder_cross:0"],
+         "localness: this model has no decoder_cross attention"),
+        ("transformer_dynwin", ["--dynamic-window", "decoder_cross:aw:0"],
+         "dynamic_window layers decoder_cross: not an attention type of this model"),
+    ],
+)  # fmt: skip
+def test_cross_attention_settings_are_refused_without_cross_attention(
+    tiny_data, arch, options, message
+):
+    """--no-cross-attention builds decoders without cross-attention: settings for it would be
+    unused, so they are refused, naming the option."""
+    with pytest.raises(ValueError, match=r"without cross-attention \(--no-cross-attention\)") as e:
+        build_model(tiny_data / "bin", arch, *TINY_MODEL, "--no-cross-attention", *options)
+    assert message in str(e.value)
+
+
+def test_dynwin_without_cross_attention_keeps_its_self_attention_windows(tiny_data, tmp_path):
+    """transformer_dynwin with --no-cross-attention is Enc(AW) - Dec(MW): it trains and
+    generates, and its checkpoint names no cross-attention windows."""
+    train_tiny(tiny_data, tmp_path, "--no-cross-attention", arch="transformer_dynwin")
+    generate(tiny_data, tmp_path / "checkpoint_last.pt")
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "checkpoint_last.pt"))
+    assert state["cfg"]["model"].dynamic_window == "encoder_self:aw:0-2 decoder_self:mw:0-1"
+    windowed = {k.split(".dynamic_windows.")[0] for k in state["model"] if ".dynamic_windows." in k}
+    assert windowed == {
+        *(f"encoder.layers.{i}.self_attn" for i in range(3)),
+        *(f"decoder.layers.{i}.self_attn" for i in range(2)),
+    }
+    assert not any("encoder_attn" in k for k in state["model"])

@@ -64,6 +64,19 @@ def window_layers(model, name):
     return sorted({int(k.split(".")[2]) for k in params if f".self_attn.{name}" in k})
 
 
+def test_gated_lm_trains_with_the_l0_criterion(lm_data, tmp_path):
+    """Voita et al.'s gates on an LM's heads, trained with the L0 penalty by fairseq-train."""
+    proc = fairseq_cli(
+        "fairseq-train", lm_data, "--user-dir", USER_DIR, "--arch", "transformer_lm_local",
+        *LM_TINY, *LM_TRAIN, "--decoder-layers", 2, "--head-gates", "dec", "--criterion",
+        "label_smoothed_cross_entropy_l0", "--l0-lambda", 0.5, "--save-dir", tmp_path,
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert "without the L0 penalty" not in log
+    assert re.search(r"l0_penalty=[\d.]+, open_dec=16,", log)  # 2 layers of 8 gated heads
+    assert (tmp_path / "checkpoint_last.pt").exists()
+
+
 def test_fairseq_eval_lm_reports_perplexity(lm_data, trained_lm):
     proc = fairseq_cli(
         "fairseq-eval-lm", lm_data, "--user-dir", USER_DIR, "--path", trained_lm,

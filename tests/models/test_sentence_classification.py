@@ -140,6 +140,50 @@ def test_head_gates_give_the_l0_criterion_its_penalty(sva_data):
     assert model.open_heads() == {"encoder_self": {0: 4, 1: 4}}
 
 
+@pytest.mark.parametrize("scale", ["sum", "per-layer-mean"])
+def test_sentence_prediction_l0_adds_lambda_times_the_penalty_per_sentence(sva_data, scale):
+    """The criterion fairseq-train builds: fairseq's sentence-prediction loss (summed over the
+    batch's sentences) plus lambda * L_C * sentences, and the penalty and open heads logged."""
+    gated = ("--head-gates", "enc", "--dropout", 0)
+    model, task, args = build_model(
+        sva_data, "roberta_dynwin_classifier_tiny", *TASK, *gated,
+        "--criterion", "sentence_prediction_l0", "--l0-lambda", 0.5, "--l0-penalty-scale", scale,
+    )  # fmt: skip
+    _, _, plain_args = build_model(sva_data, "roberta_dynwin_classifier_tiny", *TASK, *gated)
+    task.load_dataset("valid")
+    dataset = task.dataset("valid")
+    sample = dataset.collater([dataset[i] for i in range(6)])
+    model.eval()
+    with torch.no_grad():
+        loss, size, log = task.build_criterion(args)(model, sample)
+        plain, plain_size, _ = task.build_criterion(plain_args)(model, sample)
+        penalty = model.head_gate_penalty(scale)
+    assert size == plain_size == 6
+    torch.testing.assert_close(loss, plain + 0.5 * penalty * 6)
+    assert float(log["l0_penalty"]) == pytest.approx(penalty.item())
+    assert log["open_enc"] == 8
+    if scale == "per-layer-mean":  # two gated layers
+        torch.testing.assert_close(penalty * 2, model.head_gate_penalty("sum"))
+
+
+@pytest.mark.parametrize("criterion", ["sentence_prediction", "sentence_prediction_l0"])
+def test_gated_classifier_warns_when_its_criterion_adds_no_l0_penalty(sva_data, tmp_path,
+                                                                     criterion):
+    proc = fairseq_cli(
+        "fairseq-train", sva_data, "--user-dir", USER_DIR, "--arch",
+        "roberta_dynwin_classifier_tiny", *TASK, *TRAIN, "--save-dir", tmp_path,
+        "--head-gates", "enc", "--criterion", criterion,
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    warning = [line for line in log.splitlines() if "without the L0 penalty" in line]
+    if criterion == "sentence_prediction_l0":
+        assert not warning and re.search(r"l0_penalty=[\d.]+, open_enc=8,", log)
+    else:
+        assert len(warning) == 1 and "WARNING" in warning[0]
+        assert "label_smoothed_cross_entropy_l0 or sentence_prediction_l0" in warning[0]
+        assert "l0_penalty=" not in log
+
+
 def test_without_a_spec_it_is_fairseqs_roberta(sva_data):
     """Same parameters and outputs as fairseq's roberta at the same sizes."""
     sizes = "--encoder-layers 2 --encoder-embed-dim 32 --encoder-ffn-embed-dim 64".split()
