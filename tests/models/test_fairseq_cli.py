@@ -139,7 +139,9 @@ def test_local_heads_train_and_generate(tiny_data, tmp_path):
     assert_incremental_decoding_matches_full_forward(model, task)
 
 
-EVERY_HEAD_LOCAL = "[local-2, local-2, local-2, local-2, local-2, local-2, local-2, local-2]"
+CROSS_LOCAL = (
+    "{decoder_cross: {0: [local-2, local-2, local-2, local-2, global, global, global, global]}}"
+)
 
 
 @pytest.mark.parametrize(
@@ -147,7 +149,7 @@ EVERY_HEAD_LOCAL = "[local-2, local-2, local-2, local-2, local-2, local-2, local
     [
         ("transformer_local", ["--head-gates", "enc,cross"],
          "head_gates: this model has no decoder_cross attention"),
-        ("transformer_local", ["--locality-config", f"{{decoder_cross: {{0: {EVERY_HEAD_LOCAL}}}}}"],
+        ("transformer_local", ["--locality-config", CROSS_LOCAL],
          "this model has no decoder_cross attention"),
         ("transformer_local", ["--localness-layers", "decoder_cross:0"],
          "localness: this model has no decoder_cross attention"),
