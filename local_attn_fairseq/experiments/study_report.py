@@ -377,11 +377,23 @@ def section_markers(name=None):
             REPORT_END.replace(": end", f" ({name}): end"))  # fmt: skip
 
 
+def heading(results, name=None):
+    """The section's title says what stopped its runs: patience (convergence) or the cap."""
+    runs = [run for result in results for s in result["models"].values() for run in s["runs"]]
+    converged = sum(bool(run["converged"]) for run in runs)
+    if converged == len(runs):
+        title = "Study to convergence"
+    elif not converged:
+        title = "Study at a fixed budget (every run stopped at its cap)"
+    else:
+        title = f"Study to convergence or a cap ({converged} of {len(runs)} runs converged)"
+    return f"## {title}" + (f": {name}" if name else "")
+
+
 def report(results, settings, images):
     """The study's Markdown section; `images` names each corpus's curve file."""
-    name = settings.get("section")
     lines = [
-        "## Study to convergence" + (f": {name}" if name else ""),
+        heading(results, settings.get("section")),
         "",
         f"The demo's model ({settings['model']}, 8 heads, 6 encoder and 2 decoder layers, "
         f"pre-norm) and schedule, {counted(settings['jobs'], 'run')} side by side with the cores "

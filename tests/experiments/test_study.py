@@ -143,6 +143,24 @@ def test_report_replaces_only_its_own_section(tmp_path):
     assert "new table 1" not in twice and twice.count(study_report.REPORT_START) == 1
 
 
+@pytest.mark.parametrize(
+    "converged,title",
+    [
+        ([True, True, True], "## Study to convergence"),
+        ([False, False, False], "## Study at a fixed budget (every run stopped at its cap)"),
+        ([True, False, False], "## Study to convergence or a cap (1 of 3 runs converged)"),
+    ],
+)
+def test_the_reports_title_says_what_stopped_its_runs(converged, title):
+    """A study whose runs stopped at the cap is not called a study to convergence."""
+    results = [
+        {"models": {"baseline": {"runs": [{"converged": c} for c in converged[:2]]}}},
+        {"models": {"local_tied": {"runs": [{"converged": c} for c in converged[2:]]}}},
+    ]
+    assert study_report.heading(results) == title
+    assert study_report.heading(results, "lr") == f"{title}: lr"
+
+
 def test_write_report_writes_markdown_curves_and_json(tmp_path):
     runs = [
         {"bleu": b, "updates_to_convergence": 20, "updates_trained": 50, "converged": True,
