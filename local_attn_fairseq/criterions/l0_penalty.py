@@ -15,6 +15,7 @@ type.
 
 from dataclasses import dataclass, field
 
+from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.logging import metrics
 
@@ -90,15 +91,10 @@ class L0Penalty:
                 metrics.log_scalar(name, total / batches, batches, round=1)
 
 
-def adds_l0_penalty(criterion_name) -> bool:
-    """Whether the criterion registered under this name adds the head gates' L0 penalty."""
-    from fairseq.criterions import CRITERION_REGISTRY
-
-    criterion = CRITERION_REGISTRY.get(str(criterion_name))
-    return isinstance(criterion, type) and issubclass(criterion, L0Penalty)
-
-
 def l0_criterion_names():
-    from fairseq.criterions import CRITERION_REGISTRY
+    """The registered criteria that add the head gates' L0 penalty."""
+    return sorted(name for name, c in CRITERION_REGISTRY.items() if issubclass(c, L0Penalty))
 
-    return sorted(name for name in CRITERION_REGISTRY if adds_l0_penalty(name))
+
+def adds_l0_penalty(criterion_name) -> bool:
+    return str(criterion_name) in l0_criterion_names()
