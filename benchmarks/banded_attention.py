@@ -71,10 +71,8 @@ from local_attn_fairseq.experiments.measurement import (  # noqa: E402
     attention_traffic_bytes,
     band_flops,
     check_output_file,
-    is_record_list,
     one_call,
     peak_bytes,
-    starts_with,
     timed,
     write_output_file,
 )
@@ -350,12 +348,12 @@ def parse_args(argv=None):
         parser.error("--device cuda, but torch sees no CUDA device")
     if args.dense_memory_gb < 0:
         parser.error("--dense-memory-gb: must be 0 or more")
-    # --json is rewritten after every cell (a run cut short keeps its records): a file of
-    # records, as it writes them, is its own; the table's own file begins with TABLE_START.
+    if args.output and args.json and os.path.abspath(args.output) == os.path.abspath(args.json):
+        parser.error("--output and --json name the same file; give each its own")
     if args.output:
-        check_output_file(args.output, "--output", starts_with(TABLE_START), args.overwrite)
-    if args.json:
-        check_output_file(args.json, "--json", is_record_list, args.overwrite)
+        check_output_file(args.output, "--output", args.overwrite)
+    if args.json:  # rewritten after every cell, so that a run cut short keeps its records
+        check_output_file(args.json, "--json", args.overwrite)
     return args
 
 

@@ -21,7 +21,7 @@ import torch
 from fairseq import options, tasks
 
 import local_attn_fairseq  # noqa: F401  (registers the plugin)
-from local_attn_fairseq.cli_types import int_at_least, positive_int
+from local_attn_fairseq.cli_types import positive_int
 
 BASE = "--arch transformer_local -s de -t en --encoder-layers 6 --encoder-attention-heads 8".split()
 

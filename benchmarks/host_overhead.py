@@ -32,7 +32,6 @@ from local_attn_fairseq.experiments import host_overhead
 from local_attn_fairseq.experiments.measurement import (
     add_overwrite_option,
     check_output_file,
-    starts_with,
     write_output_file,
 )
 
@@ -75,9 +74,8 @@ def parse_args(argv=None):
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
-    if args.output:  # a table of an earlier run begins as settings_line does
-        written_here = starts_with(host_overhead.TABLE_START)
-        check_output_file(args.output, "--output", written_here, args.overwrite)
+    if args.output:
+        check_output_file(args.output, "--output", args.overwrite)
     return args
 
 

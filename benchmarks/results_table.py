@@ -44,8 +44,7 @@ def main(argv=None):
     except ValueError as error:  # MalformedRecords included: a message, not a traceback
         parser.error(str(error))
     if args.output:
-        written_here = kernel_results.is_kernel_table
-        check_output_file(args.output, "--output", written_here, args.overwrite)
+        check_output_file(args.output, "--output", args.overwrite)
     table = kernel_results.kernel_table(records)
     print(table, end="")
     if args.output:

@@ -39,7 +39,6 @@ from local_attn_fairseq.cli_types import output_file, positive_int  # noqa: E402
 from local_attn_fairseq.experiments.measurement import (  # noqa: E402
     add_overwrite_option,
     check_output_file,
-    starts_with,
     write_output_file,
 )
 from local_attn_fairseq.experiments.speech_encoder_cost import (  # noqa: E402
@@ -100,7 +99,7 @@ def parse_args(argv=None):
     args.arch_fn, default_windows = ARCHITECTURES[args.arch]
     args.windows = args.windows or default_windows
     if args.output:
-        check_output_file(args.output, "--output", starts_with(TABLE_START), args.overwrite)
+        check_output_file(args.output, "--output", args.overwrite)
     return args
 
 

@@ -156,9 +156,3 @@ def kernel_table(records: Sequence[dict]) -> str:
             row.append(f"{measured[route]['ms'] / reference['ms']:.2f}" if ok else "-")
         lines.append("| " + " | ".join(row) + " |")
     return header_line(records) + "\n\n" + "\n".join(lines) + "\n"
-
-
-def is_kernel_table(text: str) -> bool:
-    """Whether `text` is a table `kernel_table` wrote (its header line, then its columns):
-    ``results_table.py --output`` replaces only such a file without --overwrite."""
-    return text.startswith("GPU: ") and "| dtype | B x H x D | mode | T | w |" in text

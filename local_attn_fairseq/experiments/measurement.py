@@ -6,7 +6,6 @@ Shared by the benchmarks: every one measures the implementations it compares the
 
 import argparse
 import errno
-import json
 import os
 import time
 from typing import Callable, Dict, Iterable, List, Mapping
@@ -192,54 +191,30 @@ def operations_per_call(call: Callable[[], None]) -> int:
     return counter.count
 
 
-# The benchmarks' output files. A benchmark replaces an existing --output or --json only when it
-# recognises the file as one it wrote (a later run of the same table); any other file is the
-# user's, replaced only with --overwrite. Checked before measuring: a run can take hours.
+# The benchmarks' output files. An existing file is replaced only with --overwrite, even one an
+# earlier run of the same benchmark wrote: it holds measurements (another machine's, another
+# GPU's) that a run here would not give back. Checked before measuring: a run can take hours.
 
 
 def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an existing output file even if this benchmark did not write it",
+        help="replace existing output files (without it an existing file is refused)",
     )
 
 
-def starts_with(first_words: str) -> Callable[[str], bool]:
-    """A file of a benchmark whose tables begin with `first_words` (their settings line)."""
-    return lambda text: text.startswith(first_words)
-
-
-def is_record_list(text: str) -> bool:
-    """A file of ``banded_attention.py --json``: a JSON list of records of routes and cells."""
-    try:
-        records = json.loads(text)
-    except ValueError:
-        return False
-    keys = {"route", "mode", "T", "w"}
-    return isinstance(records, list) and all(
-        isinstance(record, dict) and keys <= set(record) for record in records
-    )
-
-
-def check_output_file(
-    path: str, option: str, written_here: Callable[[str], bool], overwrite: bool = False
-) -> None:
+def check_output_file(path: str, option: str, overwrite: bool = False) -> None:
     """End the program with one line naming `option` (status 1) where `path` is an existing
-    file that `written_here(its text)` does not recognise (unless `overwrite`), or its folder
-    cannot be made or written in. (A folder, or a path under a regular file, is refused by the
-    option's type, ``cli_types.output_file``.)"""
+    file (unless `overwrite`), or its folder cannot be made or written in. (A folder, or a path
+    under a regular file, is refused by the option's type, ``cli_types.output_file``.)"""
     with exit_on_os_error(option):
         if os.path.isfile(path) and not overwrite:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                text = handle.read()
-            if not written_here(text):
-                raise FileExistsError(
-                    errno.EEXIST,
-                    "exists and is not a file this benchmark wrote; choose another path, or "
-                    "pass --overwrite to replace it",
-                    path,
-                )
+            raise FileExistsError(
+                errno.EEXIST,
+                "exists; choose another path, or pass --overwrite to replace it",
+                path,
+            )
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
         if not os.access(folder, os.W_OK):

@@ -93,26 +93,28 @@ def user_file(tmp_path, name, text="mine\n"):
     return path
 
 
-@pytest.mark.parametrize("option", ["--output", "--json"])
-def test_the_kernel_benchmark_refuses_to_replace_a_users_file(banded, tmp_path, option):
-    mine = user_file(tmp_path, "notes.md")
+# An earlier run's table or records (another GPU's grid, say) are replaced only with
+# --overwrite, as any other file is.
+@pytest.mark.parametrize(
+    "option, text",
+    [("--output", "mine\n"), ("--json", "mine\n"), ("--output", "banded route: an earlier run\n"),
+     ("--json", json.dumps([{"T": 64, "w": 5, "mode": "fwd", "route": "banded", "ms": 1.0}]))],
+)  # fmt: skip
+def test_the_kernel_benchmark_replaces_no_existing_file(banded, tmp_path, option, text):
+    mine = user_file(tmp_path, "results", text)
     message = exit_message(banded.parse_args, [option, mine, "--repeats", "1"])
-    assert message.startswith(f"error: {option}: {mine}: exists and is not a file")
-    assert "--overwrite" in message and mine.read_text() == "mine\n"
+    assert message.startswith(f"error: {option}: {mine}: exists; choose another path")
+    assert "--overwrite" in message and mine.read_text() == text
     args = banded.parse_args([option, str(mine), "--overwrite"])
     assert getattr(args, option[2:]) == str(mine)
 
 
-def test_the_kernel_benchmark_replaces_its_own_files(banded, tmp_path):
-    table = user_file(tmp_path, "table.md", banded.TABLE_START + "extension; torch 2.9\n\n| T |\n")
-    record = {"T": 64, "w": 5, "mode": "fwd", "route": "banded", "ms": 1.0}
-    records = user_file(tmp_path, "cpu.json", json.dumps([record]))
-    args = banded.parse_args(["--output", str(table), "--json", str(records)])
-    assert (args.output, args.json) == (str(table), str(records))
-    banded.parse_args(["--json", str(user_file(tmp_path, "empty.json", "[]\n"))])
-    # a JSON list of something else is not its records
-    other = user_file(tmp_path, "other.json", json.dumps([{"name": "mine"}]))
-    assert "error: --json: " in exit_message(banded.parse_args, ["--json", other])
+def test_the_kernel_benchmark_refuses_one_file_for_both_outputs(banded, tmp_path, capsys):
+    both = str(tmp_path / "new.md")
+    line = argument_error(banded.parse_args, ["--output", both, "--json", both], capsys)
+    assert "--output and --json name the same file" in line
+    args = banded.parse_args(["--output", both, "--json", str(tmp_path / "new.json")])
+    assert args.output == both
 
 
 @pytest.mark.parametrize("option", ["--output", "--json"])
@@ -124,7 +126,7 @@ def test_an_output_that_cannot_be_written_is_one_line(banded, tmp_path, option, 
     assert f"argument {option}: " in line and "is a folder" in line
 
 
-def test_the_results_table_refuses_a_users_file_and_replaces_its_own(tmp_path, capsys):
+def test_the_results_table_replaces_an_existing_file_only_with_overwrite(tmp_path, capsys):
     results_table = script("results_table")
     mine = user_file(tmp_path, "notes.md")
     message = exit_message(results_table.main, [GRID, "--output", mine])
@@ -136,8 +138,9 @@ def test_the_results_table_refuses_a_users_file_and_replaces_its_own(tmp_path, c
     table = tmp_path / "table.md"
     results_table.main([GRID, "--output", str(table)])
     first = table.read_text()
-    results_table.main([GRID, "--output", str(table)])  # its own table: replaced
-    assert table.read_text() == first
+    assert first.startswith("GPU: ")
+    message = exit_message(results_table.main, [GRID, "--output", table])  # an earlier table
+    assert message.startswith(f"error: --output: {table}: exists") and table.read_text() == first
     results_table.main([GRID, "--output", str(mine), "--overwrite"])
     assert mine.read_text() == first
     capsys.readouterr()
@@ -147,15 +150,17 @@ def test_the_results_table_refuses_a_users_file_and_replaces_its_own(tmp_path, c
     "name, start",
     [("host_overhead", host_overhead.TABLE_START), ("speech_encoder", None)],
 )
-def test_the_other_benchmarks_refuse_a_users_output(tmp_path, name, start, capsys):
+def test_the_other_benchmarks_refuse_an_existing_output(tmp_path, name, start, capsys):
     module = script(name)
     start = start or module.TABLE_START
     mine = user_file(tmp_path, "notes.md")
     message = exit_message(module.parse_args, ["--output", mine])
     assert message.startswith(f"error: --output: {mine}: exists") and mine.read_text() == "mine\n"
     assert module.parse_args(["--output", str(mine), "--overwrite"]).overwrite
-    own = user_file(tmp_path, "own.md", start + "an earlier run\n")
-    assert module.parse_args(["--output", str(own)]).output == str(own)
+    earlier = user_file(tmp_path, "earlier.md", start + "an earlier run\n")
+    message = exit_message(module.parse_args, ["--output", earlier])
+    assert message.startswith(f"error: --output: {earlier}: exists")
+    assert earlier.read_text() == start + "an earlier run\n"
     afile = user_file(tmp_path, "afile", "")
     line = argument_error(module.parse_args, ["--output", afile / "t.md"], capsys)
     assert "argument --output: " in line and "is a file, not a folder" in line
