@@ -92,6 +92,7 @@ def keep_layers_of_spec(args, spec: LocalitySpec) -> LocalitySpec:
         given.append(f"{option}={getattr(args, option)}")
     if not kept:
         return spec
+    had_windows = bool(spec.dynamic_window["layers"] or getattr(args, "dynamic_window", None))
     spec = spec.keep_layers(kept, ", ".join(given))
     # fairseq's prune_state_dict drops every layer of a stack it has no list for: the other
     # stack of an encoder-decoder model is kept whole by naming all of its layers.
@@ -104,6 +105,11 @@ def keep_layers_of_spec(args, spec: LocalitySpec) -> LocalitySpec:
     for option in LAYER_ADDRESSED_OPTIONS:
         if hasattr(args, option):
             setattr(args, option, None)
+    if had_windows:
+        # A type whose kept layers have no window must say so: the cut spec no longer names
+        # it, and a dynwin arch would give it its default windows again when it is rebuilt.
+        windowless = [t for t in spec.num_layers if t not in spec.dynamic_window["layers"]]
+        args.dynamic_window = " ".join(f"{t}:none" for t in windowless) or None
     return spec
 
 

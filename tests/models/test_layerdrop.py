@@ -280,3 +280,30 @@ def test_training_a_cut_down_model_from_a_spec(data_dirs, family):
     assert layers[1].self_attn._qk_owner_modules[0] is layers[0].self_attn
     with pytest.raises(LocalitySpecError, match="which would be removed; keep layer 0"):
         build(data_dirs, family, option, "1,2")
+
+
+@pytest.mark.parametrize(
+    "family, arch, extra, keep",
+    [
+        # Dec(MW) in layers 0-2: layer 3 alone keeps no window
+        ("lm", "transformer_lm_dynwin_tiny", ["--decoder-layers", 4],
+         ["--decoder-layers-to-keep", "3"]),
+        # Enc(AW) in layers 0-2 and no cross windows: encoder layer 3 alone keeps no window
+        ("mt", "transformer_dynwin_tiny", ["--dynamic-window", "decoder_cross:none"],
+         ["--encoder-layers-to-keep", "3"]),
+    ],
+)  # fmt: skip
+def test_a_cut_that_leaves_no_window_is_rebuilt_without_the_archs_default_windows(
+    data_dirs, family, arch, extra, keep
+):
+    """The cut model's arguments (what its checkpoint stores) rebuild the same model: the
+    dynwin archs' default windows must not come back to the layers that were kept without."""
+    dims = LM_DIMS if family == "lm" else ("-s", "de", "-t", "en", *MT_DIMS)
+    model, task, args = build_model(data_dirs, arch, *dims, *extra, *keep)
+    args.encoder_layers_to_keep = args.decoder_layers_to_keep = None  # loading, as fairseq does
+    rebuilt = task.build_model(args)
+    assert sorted(rebuilt.state_dict()) == sorted(model.state_dict())
+    cut = "decoder.layers." if family == "lm" else "encoder.layers."
+    assert not any(n.startswith(cut) and "dynamic_windows" in n for n in model.state_dict())
+    assert not any("encoder_attn.dynamic_windows" in n for n in model.state_dict())
+    rebuilt.load_state_dict(model.state_dict(), strict=True)
