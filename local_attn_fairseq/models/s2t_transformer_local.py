@@ -138,6 +138,14 @@ class S2TTransformerLocalModel(S2TTransformerModel):
             help="banded: the banded operator, no T x T matrix (default); masked: mask the "
             "logits of the full product (same outputs, O(T^2) memory)",
         )
+        # fairseq's decoder reads it, but S2TTransformerModel does not register it (its encoder
+        # has no LayerDrop)
+        parser.add_argument(
+            "--decoder-layerdrop",
+            type=float,
+            metavar="D",
+            help="LayerDrop probability of the decoder layers (Fan et al. 2019; default 0)",
+        )
 
     @classmethod
     def build_model(cls, args, task):

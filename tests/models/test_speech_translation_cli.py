@@ -81,3 +81,14 @@ def test_asr_then_st_from_the_asr_encoder_train_and_generate(
     assert asr_encoder.keys() == st_encoder.keys()
     for name, weight in asr_encoder.items():
         torch.testing.assert_close(st_encoder[name], weight, atol=5e-3, rtol=0, msg=name)
+
+
+def test_decoder_layerdrop_from_the_command_line(tmp_path, tmp_path_factory):
+    """fairseq's S2T model leaves --decoder-layerdrop unregistered although its decoder has
+    LayerDrop; the plugin's speech model takes it, trains with it and stores it."""
+    data = prepared(tmp_path_factory, "fbank")
+    train(data, tmp_path, "asr", *LOCAL_WINDOWS, "--decoder-layerdrop", "0.5")
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    stored = torch.load(checkpoint, map_location="cpu", weights_only=False)["cfg"]["model"]
+    assert stored.decoder_layerdrop == 0.5
+    generate(data, checkpoint, "asr")
