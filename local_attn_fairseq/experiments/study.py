@@ -240,8 +240,12 @@ RECORD_FIELDS = (
 
 
 def read_record(path, max_update, patience, fields=RECORD_FIELDS):
-    """The record at ``path`` if it is one of a run under this budget, else None; ``fields``
-    are those it must hold, the budget's two first."""
+    """The record at ``path``, or None when the run is not recorded; ``fields`` are those it
+    must hold, the budget's two first.
+
+    A record of the same run under another budget is refused (RunFailed), not passed over: the
+    run would be trained under this budget and its record would replace that one. A study
+    under another cap keeps its records in a folder of its own (``--records``)."""
     if not os.path.exists(path):
         return None
     try:
@@ -253,7 +257,12 @@ def read_record(path, max_update, patience, fields=RECORD_FIELDS):
         raise RunFailed(f"{path} is not a record of a study run (not a JSON object): move it away")
     missing = [field for field in fields[:2] if field not in record]
     if not missing and (record["max_update"], record["patience"]) != (max_update, patience):
-        return None  # a run under another budget: not read, whatever else it holds
+        raise RunFailed(
+            f"{path} records this run under another budget (max_update {record['max_update']}, "
+            f"patience {record['patience']}; this study: {max_update}, {patience}); a study "
+            "under another budget needs its own records folder (--records), so that neither "
+            "replaces the other's records"
+        )
     missing += [field for field in fields[2:] if field not in record]
     if missing:
         raise RunFailed(

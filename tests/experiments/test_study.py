@@ -60,16 +60,20 @@ def test_records_are_read_only_under_the_same_budget(tmp_path):
     study.write_record(path, result, run, max_update=100, patience=3)
     record = study.read_record(path, 100, 3)
     assert record["bleu"] == 7.5 and "save_dir" not in record and record["key"] == run.key
-    assert study.read_record(path, 200, 3) is None and study.read_record(path, 100, 2) is None
+    for other_budget in ((200, 3), (100, 2)):  # refused: a run under it would replace the record
+        with pytest.raises(RunFailed, match="another budget .max_update 100, patience 3"):
+            study.read_record(path, *other_budget)
     with open(path, "w") as f:
         f.write("{not json")
     with pytest.raises(RunFailed, match="not a record of a study run"):
         study.read_record(path, 100, 3)
 
 
-def test_a_record_without_bleu_is_named_by_the_study(tmp_path):
+def test_a_record_the_study_cannot_use_is_named_and_kept(tmp_path):
     """The study's command line, given a records folder whose record of its run lacks "bleu"
-    (written by hand, or cut short): one line naming the file and the field, no KeyError."""
+    (written by hand, or cut short): one line naming the file and the field, no KeyError; whose
+    record of its run is under another cap: one line naming the file and both budgets, the
+    record left as it was (a run under this cap would have replaced it)."""
     work, records = tmp_path / "study", tmp_path / "records"
     argv = ["--work-dir", work, "--corpus", "ding-de-en", "--tiny", "--max-train", 2000,
             "--test-size", 20, "--vocab-size", 400, "--seeds", 1, "--models", "baseline",
@@ -97,6 +101,19 @@ def test_a_record_without_bleu_is_named_by_the_study(tmp_path):
     assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-2000:]
     error = second.stderr.strip().splitlines()[-1]
     assert error.startswith("error: ") and path in error and "lacks bleu" in error
+
+    # the same run recorded under a cap of 4 updates, this study's cap 8: refused, kept as it was
+    study.write_record(path, RESULT, run, max_update=4, patience=args.patience)
+    with open(path) as f:
+        kept = f.read()
+    higher_cap = [value if previous != "--max-update" else "8" for previous, value in
+                  zip([None] + argv, argv)]  # fmt: skip
+    third = run_script(script, *higher_cap)
+    assert third.returncode != 0 and "Traceback" not in third.stderr, third.stderr[-2000:]
+    error = third.stderr.strip().splitlines()[-1]
+    assert path in error and "another budget (max_update 4" in error and "--records" in error
+    with open(path) as f:
+        assert f.read() == kept
 
 
 def test_convergence_counts_validations_since_the_best():
