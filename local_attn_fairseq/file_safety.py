@@ -170,3 +170,31 @@ def replace_own_dir(folder: str, tool: str) -> None:
     claim_output_dir(folder, tool)
     shutil.rmtree(folder)
     claim_output_dir(folder, tool)
+
+
+@contextlib.contextmanager
+def staged_dir(folder: str, tool: str) -> Iterator[str]:
+    """Build a folder of `tool` whole or not at all: yields an empty staging folder beside
+    `folder` (``<folder>.partial``) and, when the block ends without an exception, puts it in
+    `folder`'s place in two renames, the old `folder` (if any) removed after. So `folder` holds
+    one run's files, all of them, or is absent (a kill between the renames); never a mixture.
+
+    `folder` must be absent, empty or marked by `tool` (else FolderNotOwned before the block
+    runs, nothing deleted); so must the staging folder, which a killed run may have left and
+    which is emptied first. A failed block removes the staging folder and keeps `folder`.
+    """
+    check_output_dir(folder, tool)
+    partial, replaced = folder + ".partial", folder + ".replaced"
+    replace_own_dir(partial, tool)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if os.path.lexists(replaced):
+        replace_own_dir(replaced, tool)  # a folder of ours that a killed swap left behind
+        shutil.rmtree(replaced)
+    if os.path.isdir(folder):
+        os.rename(folder, replaced)
+    os.rename(partial, folder)
+    shutil.rmtree(replaced, ignore_errors=True)

@@ -12,6 +12,7 @@ from local_attn_fairseq.file_safety import (
     exit_on_os_error,
     refuse_same_file,
     remove_leftover_temporaries,
+    staged_dir,
 )
 
 
@@ -112,3 +113,45 @@ def test_exit_on_os_error_names_the_option_the_path_and_the_problem(tmp_path):
         with exit_on_os_error("--out-dir"):
             claim_output_dir(str(tmp_path), "tool")
     assert "is not empty and was not created by tool" in exit_info.value.code
+
+
+def test_staged_dir_replaces_a_folder_whole_or_not_at_all(tmp_path):
+    folder = str(tmp_path / "data")
+    with staged_dir(folder, "tool") as staging:
+        assert os.listdir(staging) == [OWNER_MARKER] and not os.path.exists(folder)
+        (tmp_path / "data.partial" / "a.txt").write_text("first\n")
+    assert sorted(os.listdir(folder)) == [OWNER_MARKER, "a.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["data"]
+
+    # a failed build leaves the previous folder as it was and no staging folder
+    with pytest.raises(RuntimeError):
+        with staged_dir(folder, "tool") as staging:
+            (tmp_path / "data.partial" / "b.txt").write_text("half\n")
+            raise RuntimeError("killed")
+    assert sorted(os.listdir(folder)) == [OWNER_MARKER, "a.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["data"]
+
+    # a staging folder and a swapped-out folder that a killed run left are ours: cleared
+    os.makedirs(tmp_path / "data.replaced")
+    (tmp_path / "data.replaced" / OWNER_MARKER).write_text("tool\n")
+    with staged_dir(folder, "tool") as staging:
+        (tmp_path / "data.partial" / "b.txt").write_text("second\n")
+    assert sorted(os.listdir(folder)) == [OWNER_MARKER, "b.txt"]  # not a mixture of both runs
+    assert sorted(os.listdir(tmp_path)) == ["data"]
+
+
+def test_staged_dir_refuses_a_folder_of_someone_else(tmp_path):
+    mine = tmp_path / "data"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    with pytest.raises(FolderNotOwned):
+        with staged_dir(str(mine), "tool"):
+            raise AssertionError("the block must not run")
+    assert os.listdir(mine) == ["notes.txt"] and sorted(os.listdir(tmp_path)) == ["data"]
+    other = tmp_path / "data2.partial"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine\n")
+    with pytest.raises(FolderNotOwned):
+        with staged_dir(str(tmp_path / "data2"), "tool"):
+            raise AssertionError("the block must not run")
+    assert os.listdir(other) == ["notes.txt"]

@@ -15,21 +15,38 @@ sentence is seen in training. Output, in the layout of fairseq's ``sentence_pred
     OUT/input0/{dict.txt,train.bin,...}           binarised by fairseq-preprocess --only-source
     OUT/label/{dict.txt,train.bin,...}
 
+The three folders of a run are built beside the old ones (``raw.partial``, ...) and swapped in
+only when all of them are whole (``file_safety.staged_dir``): a run with other settings replaces
+the tool's own ``raw/``, ``input0/`` and ``label/`` whole, and an interrupted run leaves those of
+the previous run as they were. Nothing else in OUT is touched.
+
 It also prints the test accuracy of a baseline that sees only which agreement verb forms a
 sentence contains (naive Bayes over the forms), i.e. what can be had without the subject.
 """
 
 import argparse
 import collections
+import contextlib
+import logging
 import math
 import os
 import random
 import re
 
 from ..cli_types import positive_int
-from ..file_safety import atomic_write_text, claim_output_dir, exit_on_os_error
+from ..file_safety import (
+    FolderNotOwned,
+    atomic_write_text,
+    check_output_dir,
+    claim_output_dir,
+    exit_on_os_error,
+    folder_owner,
+    staged_dir,
+)
+from .text import refuse_incomplete_splits
 
 SPLITS = ("train", "valid", "test")
+OUTPUTS = ("raw", "input0", "label")  # the folders of a run in OUT, each replaced whole
 TOOL = "scripts/prepare_classification.py"  # the owner named in the output folder
 GRAMMATICAL, UNGRAMMATICAL = "grammatical", "ungrammatical"
 _PAIRS = [
@@ -90,18 +107,62 @@ def write_raw(examples, raw_dir, split):
     atomic_write_text(os.path.join(raw_dir, f"{split}.label"), labels)
 
 
-def binarize(raw_dir, out_dir, field, workers):
-    """fairseq-preprocess --only-source of one field into OUT/FIELD (its dictionary from train)."""
+def binarize(raw_dir, dest_dir, field, workers):
+    """fairseq-preprocess --only-source of one field into ``dest_dir`` (its dictionary from
+    train)."""
     from fairseq import options
     from fairseq_cli import preprocess
 
     prefix = {split: os.path.join(raw_dir, f"{split}.{field}") for split in SPLITS}
     args = options.get_preprocessing_parser().parse_args(
         ["--only-source", "--trainpref", prefix["train"], "--validpref", prefix["valid"],
-         "--testpref", prefix["test"], "--destdir", os.path.join(out_dir, field),
-         "--workers", str(workers)]
+         "--testpref", prefix["test"], "--destdir", dest_dir, "--workers", str(workers)]
     )  # fmt: skip
-    preprocess.main(args)
+    # fairseq adds a handler writing to <destdir>/preprocess.log and never removes it: left in
+    # place, the next field's log (or a later run's, in one process) would go into this one's.
+    logger = logging.getLogger("fairseq_cli.preprocess")
+    before = list(logger.handlers)
+    try:
+        preprocess.main(args)
+    finally:
+        for handler in [h for h in logger.handlers if h not in before]:
+            logger.removeHandler(handler)
+            handler.close()
+
+
+def check_outputs(out_dir, overwrite):
+    """Raise FolderNotOwned, changing nothing, if OUT may not be written into or one of its
+    `OUTPUTS` folders may not be replaced whole: in a folder of this tool they are its own
+    (unmarked ones too, from before folders were marked); under --overwrite only absent, empty
+    or marked ones are, since a user's own ``raw/`` would lose its other files."""
+    check_output_dir(out_dir, TOOL, overwrite)
+    ours = folder_owner(out_dir) == TOOL
+    for name in OUTPUTS:
+        folder = os.path.join(out_dir, name)
+        if ours and folder_owner(folder) is None:
+            continue
+        try:
+            check_output_dir(folder, TOOL)
+        except FolderNotOwned:
+            raise FolderNotOwned(
+                f"{folder!r} was not written by {TOOL}, which replaces it whole: move it away "
+                "or choose another --out-dir"
+            ) from None
+
+
+def write_outputs(examples, out_dir, workers):
+    """OUT/raw, OUT/input0 and OUT/label of one run, built staged and swapped in together."""
+    for name in OUTPUTS:
+        folder = os.path.join(out_dir, name)
+        if os.path.isdir(folder) and folder_owner(folder) is None:
+            claim_output_dir(folder, TOOL, overwrite=True)  # an earlier run's (check_outputs)
+    with contextlib.ExitStack() as stack:
+        staging = {name: stack.enter_context(staged_dir(os.path.join(out_dir, name), TOOL))
+                   for name in OUTPUTS}  # fmt: skip
+        for split in SPLITS:
+            write_raw(examples[split], staging["raw"], split)
+        for field in ("input0", "label"):
+            binarize(staging["raw"], staging[field], field, workers)
 
 
 def verb_forms(tokens):
@@ -125,6 +186,7 @@ def verb_form_baseline(train, test):
 
 
 def read_sentences(ding_dir, split):
+    refuse_incomplete_splits(ding_dir, "--ding-dir")
     with open(os.path.join(ding_dir, f"{split}.en"), encoding="utf-8") as f:
         return [line.strip() for line in f if line.strip()]
 
@@ -146,22 +208,23 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
 
+    with exit_on_os_error("--out-dir"):  # refused before the corpus is read
+        check_outputs(args.out_dir, args.overwrite)
     with exit_on_os_error("--ding-dir"):
-        sentences = {split: read_sentences(args.ding_dir, split) for split in SPLITS}
+        try:
+            sentences = {split: read_sentences(args.ding_dir, split) for split in SPLITS}
+        except ValueError as error:
+            parser.error(str(error))
     empty = [split for split in SPLITS if not sentences[split]]
     if empty:
         parser.error(f"--ding-dir: {args.ding_dir} has no sentences for {', '.join(empty)}")
-    raw_dir = os.path.join(args.out_dir, "raw")
     examples = {
         split: make_examples(sentences[split], args.seed + offset)
         for offset, split in enumerate(SPLITS)
     }
     with exit_on_os_error("--out-dir"):
         claim_output_dir(args.out_dir, TOOL, args.overwrite)
-        for split in SPLITS:
-            write_raw(examples[split], raw_dir, split)
-        for field in ("input0", "label"):
-            binarize(raw_dir, args.out_dir, field, args.workers)
+        write_outputs(examples, args.out_dir, args.workers)
     sizes = ", ".join(f"{split} {len(examples[split])}" for split in SPLITS)
     baseline = verb_form_baseline(examples["train"], examples["test"])
     print(f"| subject-verb agreement from Ding: {sizes} examples -> {args.out_dir}")

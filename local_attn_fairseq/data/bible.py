@@ -5,12 +5,12 @@ Reina-Valera 1909 (``sword-text-sparv``, module spaRV1909eb); both are in the pu
 ``diatheke`` (Debian's SWORD front end) prints every verse of a module with its reference; the
 OSIS markup (Strong's numbers, poetry lines, red letters, headings, notes) is removed here,
 verses are paired by (book, chapter, verse), and whole books go to validation and test so that
-no verse, nor any other verse of its book, is seen in training.
+no verse, nor any other verse of its book, is seen in training. The split files are replaced as
+one set (``text.write_split_set``), so an interrupted run never leaves splits of two runs.
 """
 
 import argparse
 import html
-import os
 import re
 import shutil
 import statistics
@@ -18,8 +18,8 @@ import subprocess
 import sys
 
 from ..cli_types import positive_int
-from ..file_safety import atomic_write_text, check_output_dir, claim_output_dir, exit_on_os_error
-from .text import lines_text
+from ..file_safety import check_output_dir, claim_output_dir, exit_on_os_error
+from .text import lines_text, write_split_set
 
 ENGLISH_MODULE = "engWEB2015eb"
 SPANISH_MODULE = "spaRV1909eb"
@@ -187,8 +187,9 @@ def read_corpus(books=None):
 
 
 def write_splits(splits, out_dir, source="en", target="es"):
-    """``{split}.{source}``/``{split}.{target}`` plus ``{split}.ref`` (the verse references)."""
-    os.makedirs(out_dir, exist_ok=True)
+    """``{split}.{source}``/``{split}.{target}`` plus ``{split}.ref`` (the verse references) into
+    ``out_dir`` (claimed by `TOOL`), the set of files replaced as one (``text.write_split_set``)."""
+    files = {}
     for name, pairs in splits.items():
         columns = {
             source: [en for _, en, _ in pairs],
@@ -196,7 +197,8 @@ def write_splits(splits, out_dir, source="en", target="es"):
             "ref": [f"{book} {chapter}:{verse}" for (book, chapter, verse), _, _ in pairs],
         }
         for suffix, lines in columns.items():
-            atomic_write_text(os.path.join(out_dir, f"{name}.{suffix}"), lines_text(lines))
+            files[f"{name}.{suffix}"] = lines_text(lines)
+    write_split_set(files, out_dir, TOOL)
 
 
 def describe(splits):

@@ -6,7 +6,8 @@ alternative, drop the ``{..}``, ``[..]`` and ``<..>`` annotations, and keep the 
 sides are full sentences (capitalised, closing punctuation, at least ``--min-words`` words).
 Duplicates are removed and a seeded split writes ``{train,valid,test}.{de,en}`` into an output
 folder the tool claims (``file_safety.claim_output_dir``): a new or empty one, or one it wrote
-before; another non-empty folder only with ``--overwrite``.
+before; another non-empty folder only with ``--overwrite``. The six files are replaced as one
+set (``text.write_split_set``), so an interrupted run never leaves splits of two seeds.
 
 The dictionary is GPL-licensed: it is read from the system at run time and never shipped.
 """
@@ -18,8 +19,8 @@ import re
 import sys
 
 from ..cli_types import positive_int
-from ..file_safety import atomic_write_text, check_output_dir, claim_output_dir, exit_on_os_error
-from .text import lines_text
+from ..file_safety import check_output_dir, claim_output_dir, exit_on_os_error
+from .text import lines_text, write_split_set
 
 DEFAULT_SOURCE = "/usr/share/trans/de-en"
 # The owner named in the folders it writes (claim_output_dir): a folder of an earlier run is reused.
@@ -97,12 +98,14 @@ def split_pairs(pairs, n_test, n_valid, seed, max_train=None):
 
 
 def write_splits(splits, out_dir, src="de", tgt="en"):
-    """``{split}.{src}`` and ``{split}.{tgt}``, each file written whole or not at all."""
-    os.makedirs(out_dir, exist_ok=True)
-    for name, pairs in splits.items():
-        for side, lang in enumerate((src, tgt)):
-            text = lines_text(pair[side] for pair in pairs)
-            atomic_write_text(os.path.join(out_dir, f"{name}.{lang}"), text)
+    """``{split}.{src}`` and ``{split}.{tgt}`` into ``out_dir`` (claimed by `TOOL`), the set of
+    files replaced as one (``text.write_split_set``)."""
+    files = {
+        f"{name}.{lang}": lines_text(pair[side] for pair in pairs)
+        for name, pairs in splits.items()
+        for side, lang in enumerate((src, tgt))
+    }
+    write_split_set(files, out_dir, TOOL)
 
 
 def main(argv=None):

@@ -7,6 +7,12 @@ segments and binarises text the same way.
 import os
 import re
 
+from ..file_safety import OWNER_MARKER, atomic_output, atomic_write_text, staged_dir
+
+# Lies in a folder of split files while they are replaced one by one (a folder that holds other
+# files too, so it cannot be swapped whole): the set is then partly of two runs until a run ends.
+SPLITS_INCOMPLETE = ".local_attn_fairseq_incomplete"
+
 
 class VocabularyTooLarge(ValueError):
     """sentencepiece cannot make ``requested`` pieces from the data: it allows ``largest``."""
@@ -57,13 +63,15 @@ def train_sentencepiece(
 
 
 def encode_file(model_path, src_path, out_path):
-    """Write ``src_path`` as space-separated sentencepiece pieces, one line per line."""
+    """Write ``src_path`` as space-separated sentencepiece pieces, one line per line; the file
+    appears under ``out_path`` whole or not at all."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(model_path))
-    with open(src_path, encoding="utf-8") as src, open(out_path, "w", encoding="utf-8") as out:
-        for line in src:
-            out.write(" ".join(sp.encode(line.strip(), out_type=str)) + "\n")
+    with atomic_output(out_path) as temporary:
+        with open(src_path, encoding="utf-8") as src, open(temporary, "w", encoding="utf-8") as out:
+            for line in src:
+                out.write(" ".join(sp.encode(line.strip(), out_type=str)) + "\n")
 
 
 def preprocess_argv(source, target, prefixes, dest_dir, joined, workers=2):
@@ -90,3 +98,51 @@ def has_binarised(dest_dir, split, source, target=None):
 def lines_text(lines):
     """One line per item, each ended by a newline, as the split files are written."""
     return "".join(line + "\n" for line in lines)
+
+
+def write_split_set(files, out_dir, tool):
+    """Write ``{file name: text}`` into ``out_dir`` (already claimed by ``tool``) as one set, so
+    that no reader takes files of two runs for one corpus.
+
+    A folder holding nothing but these files and its owner's marker is built beside itself and
+    swapped in whole (``file_safety.staged_dir``): a killed run leaves the previous set. A folder
+    holding other files too (written into with --overwrite) keeps them: its set is replaced file
+    by file, each whole, under a `SPLITS_INCOMPLETE` record written first and removed last,
+    which `splits_complete` and the readers of such folders refuse.
+    """
+    out_dir = os.path.abspath(out_dir)  # "out/" would stage in "out/.partial", inside itself
+    entries = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    own_names = set(files) | {OWNER_MARKER, SPLITS_INCOMPLETE}
+    cwd = os.getcwd()
+    # A link, a mount point or the current folder is not to be renamed away: written in place.
+    fixed = os.path.islink(out_dir) or os.path.ismount(out_dir)
+    fixed = fixed or cwd == out_dir or cwd.startswith(out_dir + os.sep)
+    swappable = not fixed and all(
+        name in own_names and os.path.isfile(os.path.join(out_dir, name)) for name in entries
+    )
+    if swappable:
+        with staged_dir(out_dir, tool) as staging:
+            for name, text in files.items():
+                atomic_write_text(os.path.join(staging, name), text)
+        return
+    record = os.path.join(out_dir, SPLITS_INCOMPLETE)
+    atomic_write_text(record, tool + "\n")
+    for name, text in files.items():
+        atomic_write_text(os.path.join(out_dir, name), text)
+    os.remove(record)
+
+
+def splits_complete(folder, names):
+    """Whether ``folder`` holds all of ``names`` from one run of a split-writing tool."""
+    present = all(os.path.isfile(os.path.join(folder, name)) for name in names)
+    return present and not os.path.exists(os.path.join(folder, SPLITS_INCOMPLETE))
+
+
+def refuse_incomplete_splits(folder, option):
+    """Raise ValueError naming ``option`` for a folder whose split set a killed run left partly
+    replaced (see `write_split_set`)."""
+    if os.path.exists(os.path.join(folder, SPLITS_INCOMPLETE)):
+        raise ValueError(
+            f"{option}: {folder} holds split files of two runs (a run that replaced them was "
+            "interrupted); run the tool that wrote them again"
+        )

@@ -14,7 +14,8 @@
 
 While the models train, one line per model shows its epoch, updates, loss, words/s and time
 left (a progress bar on a terminal, a plain line every 30 s otherwise).
-Every step is skipped when its output exists, so a second run only redoes what is missing.
+Every step is skipped when its output exists, so a second run only redoes what is missing; each
+step's output appears whole or not at all, so an interrupted run is redone, never taken as done.
 ``--epochs`` trains longer (the Bible's default fits its demo in 20 minutes on 2 cores).
 
 The sizes, schedule, corpora and data preparation here are shared by the pruning demo, the
@@ -37,9 +38,18 @@ from ..data.text import (
     encode_file,
     has_binarised,
     preprocess_argv,
+    splits_complete,
     train_sentencepiece,
 )
-from ..file_safety import atomic_write_text, claim_output_dir, exit_on_os_error
+from ..file_safety import (
+    FolderNotOwned,
+    atomic_write_text,
+    check_output_dir,
+    claim_output_dir,
+    exit_on_os_error,
+    remove_leftover_temporaries,
+    staged_dir,
+)
 from .fairseq_runner import (
     USER_DIR,
     RunFailed,
@@ -98,6 +108,7 @@ GENERATE_TEST = (
     "--required-batch-size-multiple 1"
 ).split()
 SCORES = {"BLEU": r"BLEU = ([\d.]+)", "WER": r"WER: ([\d.]+)"}
+SPLITS = ("train", "valid", "test")
 
 
 def corpus_work_dir(work, corpus):
@@ -117,37 +128,62 @@ def data_dir_for(work, vocab_size, max_train=None, test_size=None):
 
 
 def prepare_data(work, corpus, vocab_size, max_train=None, test_size=None):
+    """Extract, segment and binarise a corpus in ``work`` (see `data_dir_for`), each step skipped
+    when its output is complete; returns the folder of the binarised data."""
     src, tgt, module, _, _ = CORPORA[corpus]
     raw, spm_dir, bin_dir = (os.path.join(work, d) for d in ("raw", "spm", "bin"))
-    if not os.path.exists(os.path.join(raw, f"test.{tgt}")):
+    split_files = [f"{split}.{lang}" for split in SPLITS for lang in (src, tgt)]
+    if not splits_complete(raw, split_files):  # the extraction replaces raw/ as one set
         limit = ["--max-train", str(max_train)] if max_train else []
         limit += ["--test-size", str(test_size)] if test_size else []
         module.main(["--out-dir", raw, *limit])
+    # Each encoding is renamed into place whole and test.<tgt> comes last: its presence means
+    # this run's model and every encoding before it are complete.
     if not os.path.exists(os.path.join(spm_dir, f"test.{tgt}")):
-        os.makedirs(spm_dir, exist_ok=True)
-        try:
-            model = train_sentencepiece(
-                [f"{raw}/train.{src}", f"{raw}/train.{tgt}"],
-                os.path.join(spm_dir, "spm"),
-                vocab_size,
-            )
-        except VocabularyTooLarge as error:  # a small --max-train: the user's to fix, one line
-            sys.exit(
-                f"error: --vocab-size {vocab_size}: the training data allows at most "
-                f"{error.largest}; pass --vocab-size {error.largest} or less, or more --max-train"
-            )
-        for split in ("train", "valid", "test"):
-            for lang in (src, tgt):
-                encode_file(model, f"{raw}/{split}.{lang}", f"{spm_dir}/{split}.{lang}")
-        print(f"| sentencepiece: joint vocabulary of {vocab_size} -> {spm_dir}")
+        segment(raw, spm_dir, src, tgt, vocab_size)
     if not has_binarised(bin_dir, "test", src, tgt):
-        prefixes = {split: f"{spm_dir}/{split}" for split in ("train", "valid", "test")}
-        run_tool(
-            "fairseq-preprocess",
-            preprocess_argv(src, tgt, prefixes, bin_dir, joined=True),
-            os.path.join(work, "preprocess.log"),
-        )
+        binarise(spm_dir, bin_dir, src, tgt, os.path.join(work, "preprocess.log"))
     return bin_dir
+
+
+def segment(raw, spm_dir, src, tgt, vocab_size):
+    """A joint sentencepiece model of the training split, then every split encoded with it."""
+    os.makedirs(spm_dir, exist_ok=True)
+    remove_leftover_temporaries(spm_dir)  # an interrupted encoding's
+    # sentencepiece writes <prefix>.model and .vocab itself: a hidden prefix, then renamed.
+    training = os.path.join(spm_dir, ".training-spm")
+    try:
+        train_sentencepiece([f"{raw}/train.{src}", f"{raw}/train.{tgt}"], training, vocab_size)
+    except VocabularyTooLarge as error:  # a small --max-train: the user's to fix, one line
+        sys.exit(
+            f"error: --vocab-size {vocab_size}: the training data allows at most "
+            f"{error.largest}; pass --vocab-size {error.largest} or less, or more --max-train"
+        )
+    for suffix in ("vocab", "model"):
+        os.replace(f"{training}.{suffix}", os.path.join(spm_dir, f"spm.{suffix}"))
+    model = os.path.join(spm_dir, "spm.model")
+    for split in SPLITS:
+        for lang in (src, tgt):
+            encode_file(model, f"{raw}/{split}.{lang}", f"{spm_dir}/{split}.{lang}")
+    print(f"| sentencepiece: joint vocabulary of {vocab_size} -> {spm_dir}")
+
+
+def binarise(spm_dir, bin_dir, src, tgt, log_path):
+    """fairseq-preprocess of the encoded splits into ``bin_dir``, built in ``bin_dir.partial``
+    and swapped in whole, so that an interrupted run leaves no dictionary or partial .bin."""
+    try:
+        check_output_dir(bin_dir, WORK_DIR_OWNER)
+    except FolderNotOwned:
+        raise FolderNotOwned(
+            f"{bin_dir!r} holds an unfinished fairseq-preprocess output that the demos did not "
+            "mark as theirs (left by an earlier version): delete it and run again"
+        ) from None
+    prefixes = {split: f"{spm_dir}/{split}" for split in SPLITS}
+    with staged_dir(bin_dir, WORK_DIR_OWNER) as staging:
+        run_tool(
+            "fairseq-preprocess", preprocess_argv(src, tgt, prefixes, staging, joined=True),
+            log_path,
+        )  # fmt: skip
 
 
 def model_dir(data_dir, arch, epochs):
@@ -221,16 +257,42 @@ def generated_score(log_path, metric="BLEU"):
     return float(match.group(1))
 
 
+def cached_score(out_path, checkpoint, metric):
+    """The score in a kept fairseq-generate output of ``checkpoint``, or None: absent, older
+    than the checkpoint, or without the score that fairseq-generate prints last."""
+    if not up_to_date(out_path, checkpoint):
+        return None
+    try:
+        return generated_score(out_path, metric)
+    except RunFailed:
+        return None
+
+
+def decode_and_score(argv, checkpoint, out_path, metric="BLEU"):
+    """fairseq-generate ``argv`` of ``checkpoint``, its output kept in ``out_path`` and reused
+    while it is newer than the checkpoint; returns its score.
+
+    The output goes to ``<out_path>.partial`` (kept for reading when the decode fails) and is
+    renamed into place only when fairseq-generate succeeded and printed the score, so an
+    interrupted decode is redone instead of being taken for a finished one.
+    """
+    score = cached_score(out_path, checkpoint, metric)
+    if score is not None:
+        return score
+    partial = f"{out_path}.partial"
+    run_tool("fairseq-generate", argv, partial)
+    score = generated_score(partial, metric)
+    with open(partial, "rb") as written:
+        os.fsync(written.fileno())
+    os.replace(partial, out_path)
+    return score
+
+
 def bleu(bin_dir, checkpoint, out_path):
     """sacreBLEU of ``checkpoint`` on the test split, every sentence scored; the output of
     fairseq-generate is kept in ``out_path`` while it is newer than the checkpoint."""
-    if not up_to_date(out_path, checkpoint):
-        run_tool(
-            "fairseq-generate",
-            [bin_dir, "--user-dir", USER_DIR, "--path", checkpoint, *GENERATE_TEST],
-            out_path,
-        )
-    return generated_score(out_path)
+    argv = [bin_dir, "--user-dir", USER_DIR, "--path", checkpoint, *GENERATE_TEST]
+    return decode_and_score(argv, checkpoint, out_path)
 
 
 def results_table(rows):

@@ -54,6 +54,12 @@ def gated_job(bin_dir, baseline, save_dir, l0_lambda, epochs, log_alpha_init):
     return demo.training_job(f"lambda {l0_lambda:g}", bin_dir, options, epochs, save_dir)
 
 
+def finetuning_name(l0_lambda, epochs, log_alpha_init):
+    """The folder of one fine-tuning, named by every setting it depends on besides its baseline
+    (the folder above it), so that a run with other settings never reuses its checkpoints."""
+    return f"lambda{l0_lambda:g}_ft{epochs}_init{log_alpha_init:g}"
+
+
 def results_table(rows):
     lines = [
         "| lambda | encoder heads kept | BLEU gated (test-time gates) | BLEU pruned |",
@@ -82,7 +88,7 @@ def lambda_list(text):
             ) from None
         if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"a lambda must be a positive number, got {item!r}")
-        if f"{value:g}" in names:  # the run folder's name: lambda{value:g}
+        if f"{value:g}" in names:  # the run folder's name: finetuning_name
             raise argparse.ArgumentTypeError(f"{value:g} is given twice")
         names.add(f"{value:g}")
         values.append(value)
@@ -126,9 +132,12 @@ def run_demo(args):
     base_scores = os.path.join(os.path.dirname(baseline), "generate-test.txt")
     rows[0]["bleu_pruned"] = demo.bleu(bin_dir, baseline, base_scores)
     lambdas = args.lambdas
-    # the fine-tunings live under the baseline they start from: keyed by its data and epochs
+    # the fine-tunings live under the baseline they start from (keyed by its data and epochs)
     runs = os.path.join(os.path.dirname(baseline), "pruning")
-    run_dirs = [os.path.join(runs, f"lambda{l0:g}_ft{args.finetune_epochs}") for l0 in lambdas]
+    run_dirs = [
+        os.path.join(runs, finetuning_name(l0, args.finetune_epochs, args.log_alpha_init))
+        for l0 in lambdas
+    ]
     jobs = [
         gated_job(bin_dir, baseline, run_dir, l0, args.finetune_epochs, args.log_alpha_init)
         for l0, run_dir in zip(lambdas, run_dirs)

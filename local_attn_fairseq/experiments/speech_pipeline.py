@@ -8,7 +8,7 @@ import random
 
 from ..checkpoint_files import read_checkpoint, write_checkpoint
 from ..data.mustc import read_manifest, write_manifest
-from .demo import generated_score
+from .demo import decode_and_score
 from .fairseq_runner import USER_DIR, run_python, run_tool, up_to_date
 
 ARCH = "s2t_transformer_local_tiny"
@@ -57,17 +57,13 @@ def prepare(corpus, data, vocab_size, workers, lang):
 
 
 def score(data, checkpoint, task, out_path, subset=TEST_SUBSET):
-    """WER (ASR) or BLEU (ST) of a checkpoint on one subset, decoded once per checkpoint."""
-    if not up_to_date(out_path, checkpoint):
-        run_tool(
-            "fairseq-generate",
-            [
-                data, "--user-dir", USER_DIR, "--path", checkpoint, *GENERATE, "--config-yaml",
-                f"config_{task}.yaml", "--gen-subset", f"{subset}_{task}", *SCORING[task],
-            ],
-            out_path,
-        )  # fmt: skip
-    return generated_score(out_path, METRIC[task])
+    """WER (ASR) or BLEU (ST) of a checkpoint on one subset, decoded once per checkpoint (an
+    interrupted decode is redone: ``demo.decode_and_score``)."""
+    argv = [
+        data, "--user-dir", USER_DIR, "--path", checkpoint, *GENERATE, "--config-yaml",
+        f"config_{task}.yaml", "--gen-subset", f"{subset}_{task}", *SCORING[task],
+    ]  # fmt: skip
+    return decode_and_score(argv, checkpoint, out_path, METRIC[task])
 
 
 def write_shuffled_audio_subset(data, task, subset=TEST_SUBSET, seed=1):
