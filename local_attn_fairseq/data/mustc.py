@@ -22,11 +22,22 @@ Nothing is dropped silently: a segment whose audio is missing, unreadable or too
 transcript is empty, is reported with the yaml/text file and line it comes from and counted in
 the summary (``--strict`` makes any of them an error). Files that disagree with each other
 (different numbers of yaml entries and text lines, malformed yaml) are an error.
+
+One run's files are a set (the manifests address the zip by byte offsets, the configs name the
+vocabularies and the CMVN statistics): they are built in a hidden staging folder inside
+``--out-dir`` and moved into place only when the run succeeds (:func:`commit_outputs`), the
+configs last. A failed or interrupted run leaves the previous set as it was; a re-run with other
+settings removes the files of the previous run that it does not write again. The names of the
+files of the last run are kept in ``.prepare_mustc_files``: in a folder the script did not
+create (MuST-C's ``en-LANG``), it replaces only those, and only while unchanged since.
 """
 
 import argparse
+import contextlib
 import io
 import os
+import secrets
+import shutil
 import struct
 import sys
 import tempfile
@@ -39,14 +50,21 @@ import numpy as np
 
 from ..cli_types import non_negative_int, positive_int
 from ..file_safety import (
+    OWNER_MARKER,
     atomic_output,
     atomic_write_text,
     claim_output_dir,
     describe_os_error,
     exit_on_os_error,
+    folder_owner,
+    replace_own_dir,
 )
 
 TOOL = "prepare_mustc"
+# Hidden names in --out-dir: the folder a run builds its files in, and the list of the files
+# of the last run that completed (with their size and time, to notice a file rewritten since).
+STAGING = ".prepare_mustc.partial"
+RECORD = ".prepare_mustc_files"
 KNOWN_SPLITS = ("train", "dev", "tst-COMMON", "tst-HE")
 TASKS = ("asr", "st")
 MANIFEST_COLUMNS = ("id", "audio", "n_frames", "tgt_text", "speaker")
@@ -324,8 +342,10 @@ def process_talk(job):
 # ---------------------------------------------------------------- writing fairseq's files
 
 
-def stored_zip_index(zip_path):
-    """{member stem: "zip:byte offset:byte length"}, the addresses fairseq reads members by."""
+def stored_zip_index(zip_path, address_path=None):
+    """{member stem: "zip:byte offset:byte length"}, the addresses fairseq reads members by;
+    ``zip`` is `address_path` (where the zip will be read from), by default `zip_path`."""
+    address_path = os.path.abspath(address_path or zip_path)
     index = {}
     with zipfile.ZipFile(zip_path) as archive, open(zip_path, "rb") as raw:
         for info in archive.infolist():
@@ -333,7 +353,7 @@ def stored_zip_index(zip_path):
             name_length, extra_length = struct.unpack("<HH", raw.read(4))
             data_offset = info.header_offset + 30 + name_length + extra_length
             stem = os.path.splitext(info.filename)[0]
-            index[stem] = f"{os.path.abspath(zip_path)}:{data_offset}:{info.file_size}"
+            index[stem] = f"{address_path}:{data_offset}:{info.file_size}"
     return index
 
 
@@ -357,16 +377,35 @@ def read_manifest(path):
 
 
 def train_vocabulary(texts, prefix, vocab_type, vocab_size):
-    """A sentencepiece model and the fairseq dictionary (``prefix.txt``) of its pieces."""
+    """A sentencepiece model and the fairseq dictionary (``prefix.txt``) of its pieces.
+
+    sentencepiece writes ``.model`` and ``.vocab`` itself: it writes them under a hidden
+    temporary prefix, renamed once both are whole, so a kill never leaves a truncated model."""
     import sentencepiece as spm
 
+    folder, name = os.path.split(prefix)
+    temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+    try:
+        model = _train_sentencepiece(spm, texts, prefix, temporary, vocab_type, vocab_size)
+        for ext in (".model", ".vocab"):
+            os.replace(temporary + ext, prefix + ext)
+    finally:
+        for ext in (".model", ".vocab"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(temporary + ext)
+    pieces = range(len(SPECIAL_IDS), model.get_piece_size())
+    atomic_write_text(prefix + ".txt", "".join(f"{model.id_to_piece(i)} 1\n" for i in pieces))
+    return model.get_piece_size()
+
+
+def _train_sentencepiece(spm, texts, prefix, temporary, vocab_type, vocab_size):
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".txt") as corpus:
         corpus.write("".join(t + "\n" for t in texts))
         corpus.flush()
         try:
             spm.SentencePieceTrainer.train(
                 input=corpus.name,
-                model_prefix=prefix,
+                model_prefix=temporary,
                 model_type=vocab_type,
                 vocab_size=vocab_size,
                 character_coverage=1.0,
@@ -379,10 +418,7 @@ def train_vocabulary(texts, prefix, vocab_type, vocab_size):
                 f"sentencepiece on {len(texts)} training targets for {os.path.basename(prefix)} "
                 f"failed (--vocab-type {vocab_type} --vocab-size {vocab_size}): {e}"
             ) from None
-    model = spm.SentencePieceProcessor(model_file=prefix + ".model")
-    pieces = range(len(SPECIAL_IDS), model.get_piece_size())
-    atomic_write_text(prefix + ".txt", "".join(f"{model.id_to_piece(i)} 1\n" for i in pieces))
-    return model.get_piece_size()
+    return spm.SentencePieceProcessor(model_file=temporary + ".model")
 
 
 def data_config(spm_prefix, cmvn, specaugment, waveform_input):
@@ -429,7 +465,9 @@ class GlobalCmvn:
     def save(self, path):
         mean = self.sum / self.count
         std = np.sqrt(np.maximum(self.sum_sq / self.count - mean**2, 1e-8))
-        np.savez(path, mean=mean.astype(np.float32), std=std.astype(np.float32))
+        # to an open file: given a name, np.savez would add ".npz" to the temporary's
+        with atomic_output(path) as temporary, open(temporary, "wb") as handle:
+            np.savez(handle, mean=mean.astype(np.float32), std=std.astype(np.float32))
 
 
 # ---------------------------------------------------------------- the pipeline
@@ -470,26 +508,127 @@ def output_names(args, splits):
     return names
 
 
-def claim_out_dir(out_dir, names, overwrite):
-    """Write into `out_dir` only where no file of another's would be replaced: a folder this
-    script prepared before, or one (MuST-C's en-LANG, by default) holding none of `names`."""
-    try:
-        claim_output_dir(out_dir, TOOL)
-        return
-    except FileExistsError:
-        pass
-    taken = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
+# -- the output folder: whose files may be replaced, and one run's files moved in together ------
+
+
+def read_record(out_dir):
+    """{name: (size, mtime_ns) or None} of the files the last runs wrote in `out_dir`; None for
+    a file a run was moving in when it stopped."""
+    path = os.path.join(out_dir, RECORD)
+    if not os.path.isfile(path):
+        return {}
+    record = {}
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            name, *stat = line.rstrip("\n").split("\t")
+            # plain names only: a hand-edited line must never reach outside the folder
+            if name and name == os.path.basename(name) and name not in (".", ".."):
+                record[name] = tuple(map(int, stat)) if len(stat) == 2 else None
+    return record
+
+
+def write_record(out_dir, record):
+    lines = [name + "".join(f"\t{n}" for n in stat or ()) for name, stat in sorted(record.items())]
+    atomic_write_text(os.path.join(out_dir, RECORD), "".join(f"{line}\n" for line in lines))
+
+
+def file_stat(path):
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns
+
+
+def is_own_file(out_dir, name, record, owned_folder):
+    """Whether this script wrote `out_dir/name`: every file of a folder it created, else a
+    recorded file that nobody has rewritten since (e.g. fairseq's own MuST-C preparation)."""
+    if owned_folder:
+        return True
+    if name not in record:
+        return False
+    path = os.path.join(out_dir, name)
+    return record[name] is None or not os.path.isfile(path) or file_stat(path) == record[name]
+
+
+def check_out_dir(out_dir, names, overwrite):
+    """Whether `out_dir` is the script's own folder (absent, empty or marked by it); raises
+    PreparationError, changing nothing, if a run would replace a file of `names` that the
+    script did not write and `overwrite` is not set."""
+    owned = not os.path.isdir(out_dir) or not os.listdir(out_dir) or folder_owner(out_dir) == TOOL
+    record = read_record(out_dir)
+    taken = [
+        n
+        for n in names
+        if os.path.lexists(os.path.join(out_dir, n))
+        and not is_own_file(out_dir, n, record, owned)
+    ]
     if taken and not overwrite:
         raise PreparationError(
-            f"{out_dir} already holds {', '.join(taken)}, not written by {TOOL}.py; pass "
-            "--overwrite to replace them, or choose another --out-dir"
+            f"{out_dir} already holds {', '.join(taken)}, not written by {TOOL}.py (or changed "
+            "since); pass --overwrite to replace them, or choose another --out-dir"
         )
-    claim_output_dir(out_dir, TOOL, overwrite=True)
+    return owned
 
 
-def extract_audio(split_segments, args, out_dir, pool):
-    """Features or audio of every segment into one stored zip; {split: {id: (audio, n)}}, drops."""
-    zip_path = os.path.join(out_dir, zip_name(args))
+@contextlib.contextmanager
+def staged_outputs(out_dir, owned):
+    """Yield an empty staging folder inside `out_dir`; when the block ends without an exception,
+    its files replace the previous run's (:func:`commit_outputs`). A failed block removes it
+    and, if it created `out_dir`, `out_dir` too. Only a folder of the script's own is marked."""
+    existed = os.path.isdir(out_dir)
+    staging = os.path.join(out_dir, STAGING)
+    with exit_on_os_error("--out-dir"):  # refused before any audio is read
+        if owned:
+            claim_output_dir(out_dir, TOOL)
+        replace_own_dir(staging, TOOL)  # a killed run's staging folder is emptied
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not existed and sorted(os.listdir(out_dir)) == [OWNER_MARKER]:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    commit_outputs(out_dir, staging, owned)
+
+
+def commit_order(name):
+    """Features, CMVN statistics and vocabularies first, then the manifests addressing them,
+    the configs (naming all of them) last: the configs are what fairseq is given, and what
+    callers take as the sign of a prepared folder."""
+    return (name.endswith(".tsv") + 2 * name.endswith(".yaml"), name)
+
+
+def commit_outputs(out_dir, staging, owned):
+    """Move a run's files from `staging` into `out_dir`, so that no manifest or config is ever
+    beside features or vocabularies of another run:
+
+    1. the record lists the old run's files and the new ones (a kill from here on leaves
+       nothing the next run may not replace or remove);
+    2. the manifests and configs of the old run, and those about to be replaced, are removed;
+    3. the old run's other files that this run does not write are removed;
+    4. the new files are moved in (one rename each) in `commit_order`, the configs last;
+    5. the record is rewritten with the new files and the staging folder removed.
+
+    A kill before 2 leaves the old set whole, after 4 the new one; in between there is no
+    config and every manifest there addresses the new zip. Files of the old run that someone
+    else has rewritten since (in a folder the script did not create) are left alone.
+    """
+    new = sorted((n for n in os.listdir(staging) if n != OWNER_MARKER), key=commit_order)
+    old = read_record(out_dir)
+    old_own = [n for n in old if n not in new and is_own_file(out_dir, n, old, owned)]
+    write_record(out_dir, {**{n: old[n] for n in old_own}, **dict.fromkeys(new)})
+    consumers = [n for n in old_own + new if commit_order(n)[0]]
+    for name in sorted(consumers, key=commit_order, reverse=True) + old_own:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, name))
+    for name in new:
+        os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    write_record(out_dir, {n: file_stat(os.path.join(out_dir, n)) for n in new})
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def extract_audio(split_segments, args, write_dir, pool, out_dir):
+    """Features or audio of every segment into one stored zip in `write_dir`, addressed as it
+    will be read from `out_dir`; {split: {id: (audio, n)}}, drops."""
+    zip_path = os.path.join(write_dir, zip_name(args))
     extension = ".npy" if args.audio_format == "fbank" else ".wav"
     cmvn = GlobalCmvn(args.gcmvn_max_num) if args.cmvn == "global" else None
     kept, drops, direct = {}, [], {}
@@ -519,8 +658,8 @@ def extract_audio(split_segments, args, out_dir, pool):
     if cmvn is not None:
         if cmvn.count == 0:
             raise PreparationError("no usable training audio: global CMVN has nothing to estimate")
-        cmvn.save(os.path.join(out_dir, "gcmvn.npz"))
-    addresses = {**stored_zip_index(zip_path), **direct}
+        cmvn.save(os.path.join(write_dir, "gcmvn.npz"))
+    addresses = {**stored_zip_index(zip_path, os.path.join(out_dir, zip_name(args))), **direct}
     audio = {
         split: {i: (addresses[i], n) for i, n in frames.items()} for split, frames in kept.items()
     }
@@ -578,11 +717,18 @@ def prepare(args):
         raise PreparationError(f"{lang_dir}/data/train: not found (vocabularies are trained on it)")
     out_dir = os.path.abspath(args.out_dir or lang_dir)
     with exit_on_os_error("--out-dir"):  # refused before any audio is read
-        claim_out_dir(out_dir, output_names(args, splits), args.overwrite)
+        owned = check_out_dir(out_dir, output_names(args, splits), args.overwrite)
+    with staged_outputs(out_dir, owned) as staging:
+        write_outputs(args, splits, staging, out_dir)
+    print(f"| fairseq speech_to_text data -> {out_dir}")
+    return out_dir
 
+
+def write_outputs(args, splits, staging, out_dir):
+    """Every file of the run into `staging`; paths inside them name their place in `out_dir`."""
     split_segments = {split: load_split(args.mustc_root, args.lang, split) for split in splits}
     with Pool(args.workers) as pool:
-        audio, drops = extract_audio(split_segments, args, out_dir, pool)
+        audio, drops = extract_audio(split_segments, args, staging, pool, out_dir)
 
     text_langs = {"asr": "en", "st": args.lang}
     manifests = {}
@@ -596,18 +742,19 @@ def prepare(args):
     for (task, split), rows in manifests.items():
         if not rows:
             raise PreparationError(f"{split}: no usable segment left for {task}")
-        write_manifest(os.path.join(out_dir, f"{split}_{task}.tsv"), rows)
+        write_manifest(os.path.join(staging, f"{split}_{task}.tsv"), rows)
 
     for task in args.tasks:
-        prefix = spm_prefix(out_dir, args, task)
         texts = [row["tgt_text"] for row in manifests[task, "train"]]
-        size = train_vocabulary(texts, prefix, args.vocab_type, task_vocab_size(args, task))
-        config = data_config(prefix, args.cmvn, args.specaugment, args.waveform_input)
-        write_yaml(os.path.join(out_dir, f"config_{task}.yaml"), config)
+        size = train_vocabulary(
+            texts, spm_prefix(staging, args, task), args.vocab_type, task_vocab_size(args, task)
+        )
+        config = data_config(
+            spm_prefix(out_dir, args, task), args.cmvn, args.specaugment, args.waveform_input
+        )
+        write_yaml(os.path.join(staging, f"config_{task}.yaml"), config)
         counts = ", ".join(f"{split} {len(manifests[task, split])}" for split in splits)
         print(f"| {task}: {counts} segments; vocabulary {size} pieces; config_{task}.yaml")
-    print(f"| fairseq speech_to_text data -> {out_dir}")
-    return out_dir
 
 
 def write_yaml(path, config):
