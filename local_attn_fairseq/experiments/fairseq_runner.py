@@ -186,11 +186,29 @@ def train_side_by_side(
 # ---- fairseq's tools inside this process ---------------------------------------------------
 
 
+# The line `logging_to` writes where a later session starts in a log that holds earlier ones.
+NEW_SESSION = "==== new session: "
+
+
+def last_session_finished(log_path):
+    """Whether the last session that `logging_to` wrote in ``log_path`` ran fairseq-train to its
+    end (a training resumed from a checkpoint at its cap would still take one more update)."""
+    if not os.path.exists(log_path):
+        return False
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        return DONE_TRAINING in f.read().rpartition(NEW_SESSION)[2]
+
+
 @contextlib.contextmanager
 def logging_to(path):
-    """Also send every log record (fairseq's progress lines included) to ``path``."""
+    """Also send every log record (fairseq's progress lines included) to ``path``, after what
+    it holds: a resumed training keeps its earlier sessions' log (a line marks where each new
+    session starts)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"{NEW_SESSION}{time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(name)s | %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)

@@ -66,7 +66,8 @@ def build_parser():
     parser.add_argument(
         "--raw-dir",
         help="local raw files: the recipe's downloads under their official file names, or "
-        "{train,valid,test}.{SRC,TGT} text files (for MuST-C: the MuST-C root)",
+        "{train,valid,test}.{SRC,TGT} text files (for MuST-C: the MuST-C root); the prepared "
+        "data records the files it was made from, and refuses to be prepared from others",
     )
     parser.add_argument("--gpus", type=int, help="GPUs to train on (default: all visible, or 1)")
     parser.add_argument(

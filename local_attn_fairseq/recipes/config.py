@@ -16,6 +16,7 @@ YAML anchors only. In every merge a ``null`` value deletes the key it meets.
 
 import copy
 import difflib
+import json
 import math
 import os
 import re
@@ -269,6 +270,8 @@ TEXT_PREPARE_KEYS = (
     "min_length", "max_length", "length_ratio",
 )  # fmt: skip
 SPEECH_PREPARE_KEYS = ("model_type", "vocab_size", "specaugment")
+# Lines sentencepiece samples from a big corpus to learn its model (its own sampling).
+DEFAULT_SPM_SENTENCES = 10_000_000
 SPEECH_TASKS = ("asr", "st")
 # fairseq's MuST-C example (examples/speech_to_text/docs/mustc_example.md): unigram
 # sentencepiece of 5,000 pieces for ASR and 8,000 for ST, and the LB SpecAugment policy that its
@@ -290,11 +293,18 @@ def prepare_settings(recipe):
     if recipe["kind"] == "speech":
         prepare = {**SPEECH_DEFAULTS, **prepare}
         prepare["vocab_size"] = speech_vocab_sizes(prepare["vocab_size"])
-    elif "vocab_size" in prepare and not is_positive_int(prepare["vocab_size"]):
-        raise RecipeError(
-            f"prepare.vocab_size {prepare['vocab_size']!r}: the sentencepiece vocabulary size, "
-            "a whole number of at least 1 (e.g. --override prepare.vocab_size=8000)"
-        )
+    else:
+        # sentencepiece samples no fewer than 101 lines (its input_sentence_size)
+        for key, meaning, least, example in (
+            ("vocab_size", "the sentencepiece vocabulary size", 1, 8000),
+            ("spm_sentences", "the lines sentencepiece samples to learn from", 101, 1000000),
+        ):
+            value = prepare.get(key, least)
+            if not is_positive_int(value) or value < least:
+                raise RecipeError(
+                    f"prepare.{key} {value!r}: {meaning}, a whole number of at least {least} "
+                    f"(e.g. --override prepare.{key}={example})"
+                )
     return prepare
 
 
@@ -320,26 +330,61 @@ def joined_dictionary(prepare):
     return bool(prepare.get("joint")) and prepare.get("joined_dictionary", True) is not False
 
 
-def data_name(recipe):
-    """The prepared data's directory name: recipes that prepare a corpus alike share it, and
-    data prepared otherwise (another vocabulary, filter or SpecAugment policy) is never reused."""
+def prepared_data_settings(recipe):
+    """What the prepared data is made with besides its raw source: the data set and every
+    prepare setting, defaults filled in, so that recipes preparing alike give equal values
+    (``data_name`` names them; the prepare stage records them beside the data)."""
     prepare = prepare_settings(recipe)
     if recipe["kind"] == "speech":
-        sizes = prepare["vocab_size"]
-        vocab = " ".join(f"{t} {prepare['model_type']}{sizes[t]}" for t in SPEECH_TASKS)
-        return slug(f"{recipe['data']['name']} {vocab} specaugment {prepare['specaugment']}")
+        return {"data": recipe["data"]["name"], **prepare}
+    settings = {
+        "data": recipe["data"],
+        "model_type": prepare.get("model_type", "bpe"),
+        "vocab_size": prepare.get("vocab_size", 32000),
+        "joint": bool(prepare.get("joint")),
+        "joined_dictionary": joined_dictionary(prepare),
+        "spm_sentences": prepare.get("spm_sentences", DEFAULT_SPM_SENTENCES),
+    }
+    for key in ("min_length", "max_length", "length_ratio"):
+        settings[key] = prepare.get(key) or None
+    return settings
+
+
+def data_name(recipe):
+    """The prepared data's directory name: recipes that prepare a corpus alike share it, and
+    data prepared otherwise (another vocabulary, filter, sample or SpecAugment policy) is never
+    reused. Every setting of ``prepared_data_settings`` is in it (defaults left out)."""
+    settings = prepared_data_settings(recipe)
+    if recipe["kind"] == "speech":
+        sizes = settings["vocab_size"]
+        vocab = " ".join(f"{t} {settings['model_type']}{sizes[t]}" for t in SPEECH_TASKS)
+        return slug(f"{recipe['data']['name']} {vocab} specaugment {settings['specaugment']}")
     sharing = "separate"
-    if prepare.get("joint"):
-        sharing = "joint" if joined_dictionary(prepare) else "joint-spm"
-    parts = [
-        recipe["data"],
-        f"{prepare.get('model_type', 'bpe')}{prepare.get('vocab_size', 32000)}",
-        sharing,
-    ]
+    if settings["joint"]:
+        sharing = "joint" if settings["joined_dictionary"] else "joint-spm"
+    parts = [settings["data"], f"{settings['model_type']}{settings['vocab_size']}", sharing]
     for key, name in (("min_length", "min"), ("max_length", "max"), ("length_ratio", "ratio")):
-        if prepare.get(key):
-            parts.append(f"{name}{prepare[key]}")
+        if settings[key]:
+            parts.append(f"{name}{settings[key]}")
+    if settings["spm_sentences"] != DEFAULT_SPM_SENTENCES:
+        parts.append(f"spm-sentences{settings['spm_sentences']}")
     return "_".join(str(p) for p in parts)
+
+
+def differences(recorded, now, prefix=""):
+    """``"key: RECORDED then, NOW now"`` for each setting that differs, nested keys dotted."""
+    lines = []
+    for key in sorted(set(recorded) | set(now)):
+        then_value, now_value = recorded.get(key), now.get(key)
+        if isinstance(then_value, dict) and isinstance(now_value, dict):
+            lines += differences(then_value, now_value, f"{prefix}{key}.")
+        elif then_value != now_value:
+            lines.append(f"{prefix}{key}: {_shown(then_value)} then, {_shown(now_value)} now")
+    return lines
+
+
+def _shown(value):
+    return "unset" if value is None else json.dumps(value)
 
 
 def slug(name):

@@ -42,14 +42,36 @@ def simple_layout(raw_dir, langs):
     return bool(present)
 
 
+def source_names(dataset, raw_dir):
+    """The names in ``raw_dir`` that the preparation reads: the split files of the simple
+    layout, else the local copies of the downloads (files or folders) that it holds."""
+    if not raw_dir:
+        return []
+    langs = languages(dataset)
+    if simple_layout(raw_dir, langs):
+        return [f"{split}.{lang}" for split in SPLITS for lang in langs]
+    names = [d.get("file") or d.get("directory") or os.path.basename(d.get("url", ""))
+             for d in dataset["downloads"].values()]  # fmt: skip
+    return [n for n in names if n and _local_copy(raw_dir, n)]
+
+
+def check_sources(dataset, raw_dir):
+    """Refuse (RecipeError) a raw source that cannot be prepared, before anything is written:
+    a split file of the simple layout that is empty or no file, a hand-made download missing."""
+    langs = languages(dataset)
+    if simple_layout(raw_dir, langs):
+        for split in SPLITS:
+            for lang in langs:
+                _check_split_file(os.path.join(raw_dir, f"{split}.{lang}"))
+    else:
+        check_downloads(dataset["downloads"], raw_dir)
+
+
 def assemble(dataset, raw_dir, download_dir, out_dir, seed=1):
     """Write ``out_dir/{split}.{lang}`` for every split and language of ``dataset``."""
     langs = languages(dataset)
     simple = simple_layout(raw_dir, langs)
-    if simple:
-        for split in SPLITS:  # all of them before any is copied
-            for lang in langs:
-                _check_split_file(os.path.join(raw_dir, f"{split}.{lang}"))
+    check_sources(dataset, raw_dir)  # all of them before any is copied
     os.makedirs(out_dir, exist_ok=True)
     if simple:
         for split in SPLITS:
@@ -111,6 +133,11 @@ def _count_lines(path):
 
 def fetch_all(downloads, raw_dir, download_dir):
     """{download name: unpacked directory}; every missing hand-made download reported at once."""
+    check_downloads(downloads, raw_dir)
+    return {name: _fetch(name, d, raw_dir, download_dir) for name, d in downloads.items()}
+
+
+def check_downloads(downloads, raw_dir):
     for name, download in downloads.items():
         unknown = sorted(set(download) - set(DOWNLOAD_KEYS))
         if unknown:
@@ -129,7 +156,6 @@ def fetch_all(downloads, raw_dir, download_dir):
             "these files cannot be downloaded automatically; put them into "
             f"{where}:\n" + "\n".join(missing)
         )
-    return {name: _fetch(name, d, raw_dir, download_dir) for name, d in downloads.items()}
 
 
 def _local_copy(raw_dir, name):

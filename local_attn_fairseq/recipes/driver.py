@@ -36,6 +36,9 @@ class RecipeRun(RecipeWorkspace):
         if stage != "prepare" and not self.dry_run:
             # before any work: the row's checkpoints are of the settings it has now
             training.check_settings(self, row)
+        if stage in ("train", "all") and not self.dry_run:
+            # and so are those of the rows it starts from, whose results would be reused
+            self.check_dependencies(row)
         if stage in ("prepare", "all"):
             self.prepare()
         if stage in ("train", "all"):
@@ -50,7 +53,8 @@ class RecipeRun(RecipeWorkspace):
 
     def require_prepared(self, row):
         """A clear RecipeError, before fairseq starts, when the data the row trains on is not
-        prepared (the train stage run before the prepare stage, or in another work dir)."""
+        prepared (the train stage run before the prepare stage, or in another work dir), or
+        was prepared from another --raw-dir than the one given."""
         if self.dry_run:
             return
         if self.kind == "speech":
@@ -59,6 +63,22 @@ class RecipeRun(RecipeWorkspace):
             needed = self.bin
         if not os.path.exists(needed):
             raise RecipeError(f"{needed} does not exist: run the prepare stage first")
+        # a --raw-dir given to this stage must be the one the data was prepared from
+        raw_files = {}
+        if self.raw_dir and self.kind == "speech":
+            raw_files = speech.raw_source(self)
+        elif self.raw_dir:
+            raw_files = text_preparation.raw_source(self, text_preparation.dataset_of(self))
+        self.check_prepared_inputs(raw_files, compare_raw=bool(self.raw_dir))
+
+    def check_dependencies(self, row):
+        """Refuse (RecipeError) to start the row from a row, or from a row that row starts
+        from, trained in this work dir with other settings than this invocation gives it."""
+        for dep_name in (row["base_row"], row["heads_kept_from_row"]):
+            if dep_name:
+                dep = get_row(self.recipe, dep_name)
+                training.check_settings(self, dep, needed_by=row["name"])
+                self.check_dependencies(dep)
 
     def ensure_dependencies(self, row):
         """Train (and average, prune) the rows this row starts from, unless already done."""

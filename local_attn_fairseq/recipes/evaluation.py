@@ -6,15 +6,17 @@
 import json
 import os
 import re
+import shutil
 
 from ..checkpoint_files import UnreadableCheckpointError, read_checkpoint
 from ..experiments.fairseq_runner import USER_DIR
-from ..file_safety import atomic_write_text
+from ..file_safety import atomic_write_text, replace_own_dir
 from . import scoring
 from .config import RecipeError
 from .training import training_settings
 from .speech import task_files
 from .text_preparation import dataset_of, raw_path
+from .workspace import WORK_DIR_OWNER
 
 # q, k, v and output projections of the encoder's self-attention (the papers' attention
 # parameter counts), in text (layers) and speech (transformer_layers) encoders
@@ -48,7 +50,10 @@ def evaluate_row(run, row):
 
 
 def decode_argv(run, row, checkpoint, subset, settings):
-    out_dir = os.path.join(run.row_dir(row["name"]), f"generate-{subset}")
+    """fairseq-generate's argv, and the file the decoding is kept in: generate-SUBSET.txt in
+    the row's generate-SUBSET folder. fairseq writes it into a temporary folder
+    (``partial_results``); ``decode`` renames it into place once complete."""
+    out_dir = partial_results(run, row, subset)
     argv = [run.data_path(row), "--user-dir", USER_DIR, "--path", checkpoint]
     argv += ["--gen-subset", subset, "--beam", settings.get("beam", 5)]
     argv += [
@@ -66,13 +71,39 @@ def decode_argv(run, row, checkpoint, subset, settings):
     ]
     # every sentence is decoded: batches need not be a multiple of 8 (fairseq's default)
     argv += ["--results-path", out_dir, "--required-batch-size-multiple", 1]
-    return argv, os.path.join(out_dir, f"generate-{subset}.txt")
+    name = f"generate-{subset}.txt"
+    return argv, os.path.join(run.row_dir(row["name"]), f"generate-{subset}", name)
+
+
+def partial_results(run, row, subset):
+    return os.path.join(run.row_dir(row["name"]), f".generate-{subset}.partial")
+
+
+def decode(run, row, subset, argv, output):
+    """Run fairseq-generate into an emptied temporary folder, then rename its output to
+    ``output``: a killed decoding leaves no partial file under the name of a finished one."""
+    partial = partial_results(run, row, subset)
+    if not run.dry_run:
+        try:  # a killed decoding's folder is emptied; one of someone else's is not
+            replace_own_dir(partial, WORK_DIR_OWNER)
+        except FileExistsError:
+            raise RecipeError(
+                f"{partial} exists and was not written by the recipes; move it away"
+            ) from None
+    run.run_tool("fairseq-generate", argv, os.path.join(run.row_dir(row["name"]), "generate.log"))
+    if run.dry_run:
+        return
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    with open(os.path.join(partial, os.path.basename(output)), "rb") as written:
+        os.fsync(written.fileno())
+    os.replace(os.path.join(partial, os.path.basename(output)), output)
+    shutil.rmtree(partial)
 
 
 def evaluate_translation(run, row, checkpoint, subset, settings):
     argv, output = decode_argv(run, row, checkpoint, subset, settings)
     argv += ["--remove-bpe", "sentencepiece", "--scoring", "sacrebleu", "--num-workers", 0]
-    run.run_tool("fairseq-generate", argv, os.path.join(run.row_dir(row["name"]), "generate.log"))
+    decode(run, row, subset, argv, output)
     if run.dry_run:
         return {}
     target = dataset_of(run)["target"]
@@ -128,8 +159,7 @@ def evaluate_speech(run, row, checkpoint, subset):
     argv, output = decode_argv(run, row, checkpoint, files[subset], settings)
     argv += ["--task", "speech_to_text", "--config-yaml", files["config"]]
     argv += ["--scoring", "sacrebleu", "--num-workers", 0]
-    log = os.path.join(run.row_dir(row["name"]), "generate.log")
-    run.run_tool("fairseq-generate", argv, log)
+    decode(run, row, files[subset], argv, output)
     if run.dry_run:
         return {}
     hyps, refs = scoring.read_generate_output(output)

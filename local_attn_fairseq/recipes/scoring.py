@@ -106,15 +106,38 @@ def _edit_distance(a, b):
     return previous[-1]
 
 
+# Where a training starts from 0 updates: nothing to resume, or a model to fine-tune from.
+_FRESH_START = re.compile(
+    r"No existing checkpoint found|Loaded checkpoint .* \(epoch \d+ @ 0 updates\)"
+)
+_EPOCH_SUMMARY = re.compile(r"\| train \| epoch (\d+) \|.*")
+
+
 def training_summary(log_text):
-    """{params, updates_per_s, words_per_s} from a fairseq-train log (None where absent)."""
+    """{params, updates_per_s, words_per_s} from a fairseq-train log (None where absent).
+
+    The log may hold several sessions (a training resumed after a stop, one log kept across
+    them): the speeds are those of the training the log ends with, from its last fresh start,
+    over all its epochs (each epoch's summary line counted once, its last: a resumed epoch's
+    line covers the whole epoch, fairseq keeping the epoch's meters in the checkpoint)."""
     params = re.search(r"num\. shared model params: ([\d,]+)", log_text)
-    epochs = re.findall(r"\| train \| epoch \d+ .*", log_text)
-    last = epochs[-1] if epochs else ""
-    ups = re.search(r"\| ups ([\d.]+)", last)
-    wps = re.search(r"\| wps ([\d.]+)", last)
+    starts = list(_FRESH_START.finditer(log_text))
+    current = log_text[starts[-1].end():] if starts else log_text
+    epochs = {}
+    for line in _EPOCH_SUMMARY.finditer(current):
+        epochs[int(line.group(1))] = line.group(0)
+    updates = seconds = words = 0.0
+    done = 0  # updates at the end of the previous epoch
+    for epoch in sorted(epochs):
+        fields = dict(re.findall(r"\| (\w+) ([\d.]+)", epochs[epoch]))
+        ups, total = float(fields.get("ups", 0)), int(float(fields.get("num_updates", done)))
+        if ups > 0 and total > done:
+            updates += total - done
+            seconds += (total - done) / ups
+            words += float(fields.get("wps", 0)) * (total - done) / ups
+        done = max(done, total)
     return {
         "params": int(params.group(1).replace(",", "")) if params else None,
-        "updates_per_s": float(ups.group(1)) if ups else None,
-        "words_per_s": float(wps.group(1)) if wps else None,
+        "updates_per_s": round(updates / seconds, 2) if seconds else None,
+        "words_per_s": round(words / seconds, 1) if seconds else None,
     }

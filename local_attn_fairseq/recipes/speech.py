@@ -1,6 +1,8 @@
 """The data side of the speech recipes (Alastruey et al., MuST-C): preparation is
 ``local_attn_fairseq.data.mustc`` (log-mel features, sentencepiece, fairseq's speech_to_text
-manifests and configs), run as its own process; rows train on its ASR or ST task.
+manifests and configs), run as its own process; rows train on its ASR or ST task. As for text,
+``prepare.json`` beside the data records the MuST-C files and the settings it is made from, and
+a prepare from other ones is refused.
 ``run`` is the recipe's workspace (``workspace.RecipeWorkspace``).
 """
 
@@ -9,6 +11,7 @@ import subprocess
 import sys
 
 from .config import RecipeError, prepare_settings
+from .workspace import raw_fingerprint
 
 PREPARE_MODULE = "local_attn_fairseq.data.mustc"
 
@@ -43,11 +46,20 @@ def prepare_speech(run):
         return
     if not run.raw_dir:
         raise RecipeError(f"MuST-C cannot be downloaded automatically: {data['manual']}")
+    raw_files = raw_source(run)
+    if not run.check_prepared_inputs(raw_files):
+        run.record_prepared_inputs(raw_files)
     configs = [t["config"] for t in data["tasks"].values()]
     if all(os.path.exists(os.path.join(run.data, c)) for c in configs):
         return
     if subprocess.run(command).returncode != 0:
         raise RecipeError(f"{' '.join(command)} failed (its output is above)")
+
+
+def raw_source(run):
+    """{name: [size, time]} of the MuST-C files of the recipe's language pair (what the
+    preparation reads: en-LANG/data/SPLIT/{wav,txt})."""
+    return raw_fingerprint(run.raw_dir, [os.path.join(f"en-{run.recipe['data']['lang']}", "data")])
 
 
 def train_task_args(run, row):

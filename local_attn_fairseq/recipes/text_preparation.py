@@ -1,7 +1,9 @@
 """The prepare stage of the text recipes: raw splits -> sentencepiece -> fairseq-preprocess.
 
 Each step is skipped when its output exists, so a stopped or repeated prepare redoes only what
-is missing. The raw splits stay under ``WORK/data/raw``: the evaluate stage scores against them.
+is missing; ``prepare.json`` beside the data records the raw source and settings it is made
+from, and a prepare from other ones is refused (``RecipeWorkspace.check_prepared_inputs``). The
+raw splits stay under ``WORK/data/NAME/raw``: the evaluate stage scores against them.
 ``run`` is the recipe's workspace (``workspace.RecipeWorkspace``).
 """
 
@@ -10,11 +12,14 @@ import os
 from ..data.text import encode_file, has_binarised, preprocess_argv, train_sentencepiece
 from ..file_safety import replace_own_dir
 from . import corpora
-from .config import RecipeError, joined_dictionary, load_dataset, prepare_settings
-from .workspace import WORK_DIR_OWNER
-
-# Lines sentencepiece samples from a big corpus to learn its model (its own sampling).
-DEFAULT_SPM_SENTENCES = 10_000_000
+from .config import (
+    DEFAULT_SPM_SENTENCES,
+    RecipeError,
+    joined_dictionary,
+    load_dataset,
+    prepare_settings,
+)
+from .workspace import WORK_DIR_OWNER, raw_fingerprint
 
 
 def dataset_of(run):
@@ -33,6 +38,10 @@ def prepare_text(run):
     if run.dry_run:
         print(f"| prepare: {run.recipe['data']} -> {raw} -> sentencepiece {settings} -> {run.bin}")
         return
+    raw_files = raw_source(run, dataset)
+    if not run.check_prepared_inputs(raw_files):
+        corpora.check_sources(dataset, run.raw_dir)  # a source that cannot be used records nothing
+        run.record_prepared_inputs(raw_files)
     if not os.path.exists(os.path.join(raw, ".complete")):
         corpora.assemble(dataset, run.raw_dir, os.path.join(run.data, "downloads"), raw)
         open(os.path.join(raw, ".complete"), "w").close()
@@ -41,23 +50,39 @@ def prepare_text(run):
     binarise(run, langs, spm_dir, joined_dictionary(settings))
 
 
+def raw_source(run, dataset):
+    """{name: [size, time]} of the files in --raw-dir the preparation reads ({} without one)."""
+    if not run.raw_dir:
+        return {}
+    return raw_fingerprint(run.raw_dir, corpora.source_names(dataset, run.raw_dir))
+
+
 def sentencepiece_models(langs, settings, raw, spm_dir):
-    """{lang: model path}: one joint model, or one per language."""
+    """{lang: model path}: one joint model, or one per language.
+
+    Each model is trained under a temporary prefix and renamed into place, the model first and
+    the vocabulary last: a model whose vocabulary is in place is whole (a killed training
+    leaves only temporary files, and is redone)."""
     os.makedirs(spm_dir, exist_ok=True)
     joint = settings.get("joint", False) and len(langs) > 1
     groups = {"joint": langs} if joint else {lang: [lang] for lang in langs}
     models = {}
     for name, members in groups.items():
         prefix = os.path.join(spm_dir, f"spm.{name}")
-        if not os.path.exists(prefix + ".model"):
+        if not os.path.exists(prefix + ".vocab"):
+            partial = os.path.join(spm_dir, f".spm.{name}.partial")
             train_sentencepiece(
                 [os.path.join(raw, f"train.{lang}") for lang in members],
-                prefix,
+                partial,
                 int(settings.get("vocab_size", 32000)),
                 settings.get("model_type", "bpe"),
                 settings.get("spm_sentences", DEFAULT_SPM_SENTENCES),
                 exact_size=False,
             )
+            for ext in ("model", "vocab"):
+                with open(f"{partial}.{ext}", "rb") as written:
+                    os.fsync(written.fileno())  # on disk before its name says it is whole
+                os.replace(f"{partial}.{ext}", f"{prefix}.{ext}")
         models.update({lang: prefix + ".model" for lang in members})
     return models
 

@@ -10,9 +10,9 @@ resume those checkpoints under the new settings and average checkpoints of both)
 import json
 import os
 
-from ..experiments.fairseq_runner import USER_DIR, command_line
+from ..experiments.fairseq_runner import USER_DIR, command_line, last_session_finished
 from ..file_safety import atomic_write_text
-from .config import RecipeError, batch_plan, options_to_argv
+from .config import RecipeError, batch_plan, differences, options_to_argv
 from .speech import train_task_args
 
 
@@ -92,10 +92,12 @@ def training_settings(run, row):
     return json.loads(json.dumps(settings, default=str))
 
 
-def check_settings(run, row):
+def check_settings(run, row, needed_by=None):
     """Refuse (RecipeError) to use the row's folder when its checkpoints were trained with
     other settings than the row has now. A folder without a record passes, and so does one
-    without checkpoints (a run that failed before its first save: its record is replaced)."""
+    without checkpoints (a run that failed before its first save: its record is replaced).
+    ``needed_by``: the row that would start from this row's result (its base row is checked
+    against what this invocation would train it with, before that result is reused)."""
     path = run.settings_record(row["name"])
     if not os.path.isfile(path) or not _has_checkpoints(run.row_dir(row["name"])):
         return
@@ -107,11 +109,14 @@ def check_settings(run, row):
             f"{path} cannot be read ({error}); it records the settings of the row's "
             "checkpoints: use another --work-dir"
         ) from None
-    differences = _differences(recorded, training_settings(run, row))
-    if differences:
+    changed = differences(recorded, training_settings(run, row))
+    if changed:
+        which = f"row {row['name']!r}"
+        if needed_by:
+            which = f"row {needed_by!r} starts from row {row['name']!r}, which"
         raise RecipeError(
-            f"row {row['name']!r} was trained in this --work-dir with other settings "
-            f"({'; '.join(differences)}; recorded in {path}). Use another --work-dir for the "
+            f"{which} was trained in this --work-dir with other settings "
+            f"({'; '.join(changed)}; recorded in {path}). Use another --work-dir for the "
             "new settings, or the recorded ones to resume or evaluate this run"
         )
 
@@ -121,22 +126,6 @@ def _has_checkpoints(row_dir):
     names = os.listdir(saved) if os.path.isdir(saved) else []
     trained = any(n.startswith("checkpoint") and n.endswith(".pt") for n in names)
     return trained or os.path.exists(os.path.join(row_dir, "averaged.pt"))
-
-
-def _differences(recorded, now, prefix=""):
-    """``"key: RECORDED then, NOW now"`` for each setting that differs, nested keys dotted."""
-    lines = []
-    for key in sorted(set(recorded) | set(now)):
-        then_value, now_value = recorded.get(key), now.get(key)
-        if isinstance(then_value, dict) and isinstance(now_value, dict):
-            lines += _differences(then_value, now_value, f"{prefix}{key}.")
-        elif then_value != now_value:
-            lines.append(f"{prefix}{key}: {_shown(then_value)} then, {_shown(now_value)} now")
-    return lines
-
-
-def _shown(value):
-    return "unset" if value is None else json.dumps(value)
 
 
 def record_settings(run, row, argv):
@@ -156,5 +145,8 @@ def train(run, row):
     argv = train_argv(run, row)
     if not run.dry_run:
         check_settings(run, row)
+        if last_session_finished(log):  # fairseq would add an update to the finished model
+            print(f"| {row['name']}: trained to its end before (see {log}); not trained again")
+            return
         record_settings(run, row, argv)
     run.run_tool("fairseq-train", argv, log)
