@@ -16,8 +16,8 @@ result (BLEU, speed, validation curve; no checkpoint) recorded in ``--records`` 
 ``WORK/records``) under a key that is the same on any machine: a study pointed at records of
 earlier sessions reads the runs recorded there under the same budget and trains only the rest,
 so a study longer than one session is carried on by keeping its records (the repository's are
-in ``docs/small_scale_study_records/``; a study under another budget is refused a folder that
-records its runs under this one, and keeps its records in a folder of its own). While runs train, one live line per run shows its
+in ``docs/small_scale_study_records/``; a study under another budget is refused a --records
+folder that records its runs under this one, and keeps its records in a folder of its own). While runs train, one live line per run shows its
 epoch, updates, loss, words/s and time left. ``--jobs N`` trains N runs side by side with the
 cores split between them (small models use two threads poorly).
 
@@ -234,6 +234,7 @@ def run_study(args, argv):
         result = run_corpus(
             data, corpus_dir, base, args.models.split(","), args.seed_list,
             max_update, args.patience, args.jobs, records, train=not args.report_only,
+            own_records=args.records is None,
         )  # fmt: skip
         if args.compare_records:
             result["compared"] = recorded_result(

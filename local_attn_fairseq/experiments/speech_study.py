@@ -266,14 +266,16 @@ def copy_encoder(asr, best_update):
 class Recorded:
     """The runs scored so far, read from and added to the records folder."""
 
-    def __init__(self, records, patience):
+    def __init__(self, records, patience, pass_over_others=False):
         # by run folder: with no window chosen the two arms have the same options (and key)
         self.records, self.patience, self.by_run = records, patience, {}
+        self.pass_over_others = pass_over_others  # records under other caps (study.read_record)
 
     def read(self, run, max_update):
         record = study.read_record(
-            record_path(self.records, run), max_update, self.patience, RECORD_FIELDS
-        )
+            record_path(self.records, run), max_update, self.patience, RECORD_FIELDS,
+            self.pass_over_others,
+        )  # fmt: skip
         if record is not None:
             self.by_run[run.save_dir] = record
         return record
@@ -453,8 +455,10 @@ def run_steps(args):
     """Corpus, ASR, windows, ST arms, scores and cost: each step skipped where done."""
     sizes, work = args.sizes, os.path.abspath(args.work_dir)
     data = prepare(work, sizes, args.workers)
+    # the work folder's own records, or a report: a record under other caps is passed over
+    passed_over = args.records is None or args.report_only
     recorded = Recorded(os.path.abspath(args.records or os.path.join(work, "records")),
-                        args.patience)  # fmt: skip
+                        args.patience, passed_over)  # fmt: skip
     asr, asr_record = train_asr(data, sizes, args, recorded)
     runs, st_records, cost = [], [], None
     if asr_record is not None:

@@ -239,13 +239,16 @@ RECORD_FIELDS = (
 )  # fmt: skip
 
 
-def read_record(path, max_update, patience, fields=RECORD_FIELDS):
-    """The record at ``path``, or None when the run is not recorded; ``fields`` are those it
-    must hold, the budget's two first.
+def read_record(path, max_update, patience, fields=RECORD_FIELDS, pass_over_others=False):
+    """The record at ``path``, or None when the run is not recorded under this budget;
+    ``fields`` are those it must hold, the budget's two first.
 
-    A record of the same run under another budget is refused (RunFailed), not passed over: the
-    run would be trained under this budget and its record would replace that one. A study
-    under another cap keeps its records in a folder of its own (``--records``)."""
+    A record of the same run under another budget is refused (RunFailed): a run trained under
+    this one would replace it, and in a folder the user names (records carried across sessions
+    and machines, a committed study) a study under another cap keeps its records in a folder of
+    its own. With ``pass_over_others`` it is passed over (None): in the work folder's own
+    records (the results of its runs, which a higher cap continues), or where nothing will be
+    written (a report)."""
     if not os.path.exists(path):
         return None
     try:
@@ -257,6 +260,8 @@ def read_record(path, max_update, patience, fields=RECORD_FIELDS):
         raise RunFailed(f"{path} is not a record of a study run (not a JSON object): move it away")
     missing = [field for field in fields[:2] if field not in record]
     if not missing and (record["max_update"], record["patience"]) != (max_update, patience):
+        if pass_over_others:
+            return None
         raise RunFailed(
             f"{path} records this run under another budget (max_update {record['max_update']}, "
             f"patience {record['patience']}; this study: {max_update}, {patience}); a study "

@@ -82,14 +82,19 @@ def score_run(run, log, corpus, max_update):
 
 def run_corpus(
     corpus, work, base_argv, models, seeds, max_update, patience, jobs, records=None,
-    display=None, train=True,
+    display=None, train=True, own_records=None,
 ):  # fmt: skip
     """Train (or continue, or reuse) and score every run of one corpus; a JSON-able summary.
 
     Each run is scored as soon as it is finished and its result recorded in ``records`` (a
     folder, by default ``work/records``); a run recorded there under the same budget is read,
-    not trained. With ``train=False`` only the recorded runs are summarised (a study in
+    not trained. One recorded under another budget is trained under this one (its record then
+    replaced) in the work folder's own records (``own_records``: by default, when ``records``
+    is not given), and refused in any other folder (``study.read_record``) unless nothing is
+    trained. With ``train=False`` only the recorded runs are summarised (a study in
     progress): models without any are left out, and ``missing_runs`` counts the others."""
+    # the work folder's own records (the default): a higher cap's record replaces a run's
+    own_records = records is None if own_records is None else own_records
     records = records or os.path.join(work, "records")
     runs = study_runs(corpus, work, base_argv, models, seeds)
     # seed by seed: a study stopped part-way has every model's first seeds
@@ -97,7 +102,9 @@ def run_corpus(
     results, to_train = {}, []
     for run in everything:
         path = study.record_path(records, corpus.name, run)
-        record = study.read_record(path, max_update, patience)
+        record = study.read_record(
+            path, max_update, patience, pass_over_others=own_records or not train
+        )
         if record is None:
             to_train.append(run)
         else:

@@ -63,6 +63,8 @@ def test_records_are_read_only_under_the_same_budget(tmp_path):
     for other_budget in ((200, 3), (100, 2)):  # refused: a run under it would replace the record
         with pytest.raises(RunFailed, match="another budget .max_update 100, patience 3"):
             study.read_record(path, *other_budget)
+        # in the work folder's own records the run under the other budget replaces it
+        assert study.read_record(path, *other_budget, pass_over_others=True) is None
     with open(path, "w") as f:
         f.write("{not json")
     with pytest.raises(RunFailed, match="not a record of a study run"):
@@ -106,8 +108,9 @@ def test_a_record_the_study_cannot_use_is_named_and_kept(tmp_path):
     study.write_record(path, RESULT, run, max_update=4, patience=args.patience)
     with open(path) as f:
         kept = f.read()
+    # a study that would train (not --report-only): its run would replace the record
     higher_cap = [value if previous != "--max-update" else "8" for previous, value in
-                  zip([None] + argv, argv)]  # fmt: skip
+                  zip([None] + argv, argv) if value != "--report-only"]  # fmt: skip
     third = run_script(script, *higher_cap)
     assert third.returncode != 0 and "Traceback" not in third.stderr, third.stderr[-2000:]
     error = third.stderr.strip().splitlines()[-1]
