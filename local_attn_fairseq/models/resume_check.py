@@ -32,8 +32,11 @@ from .locality_options import with_command_line_settings
 
 logger = logging.getLogger(__name__)
 
-# Options a resumed run may change: they do not change what the model computes.
-CHANGEABLE_ON_RESUME = ("freeze_decoder", "load_pretrained_encoder_from", "local_attention_form")
+# Options a resumed run may change: they do not change what the model computes (LayerDrop only
+# skips layers in training, as fairseq's transformer lets a resumed run change it).
+CHANGEABLE_ON_RESUME = (
+    "freeze_decoder", "load_pretrained_encoder_from", "local_attention_form", "decoder_layerdrop",
+)  # fmt: skip
 _SPEC_OPTION = "locality_config"
 _SPEC_META_KEYS = ("name", "description")
 _SPEC_FILE_ENDINGS = (".yaml", ".yml", ".json")
