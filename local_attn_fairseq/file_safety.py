@@ -57,12 +57,18 @@ def atomic_output(path: str) -> Iterator[str]:
     temporary = _create_temporary(folder, os.path.basename(path))
     try:
         yield temporary
-        with open(temporary, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(temporary, path)
+        publish(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def publish(written: str, path: str) -> None:
+    """Rename the whole file `written` to `path`, its data on disk first: after a crash the
+    name holds the old file or the complete new one, never a file whose blocks never landed."""
+    with open(written, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(written, path)
 
 
 def remove_leftover_temporaries(folder: str, final_names: str = "*") -> List[str]:

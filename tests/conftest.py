@@ -224,3 +224,16 @@ def snapshot(folder):
             with open(path, "rb") as f:
                 files[os.path.relpath(path, folder)] = f.read()
     return files
+
+
+def kill_sentencepiece(monkeypatch):
+    """sentencepiece's training, from now on in this test, writes half a model where it was told
+    to write and is then killed (a KeyboardInterrupt, as from Ctrl-C)."""
+    import sentencepiece as spm
+
+    def killed(model_prefix, **_):
+        with open(model_prefix + ".model", "wb") as f:
+            f.write(b"half a mod")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(spm.SentencePieceTrainer, "train", killed)

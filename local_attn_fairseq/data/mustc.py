@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import io
 import os
-import secrets
 import shutil
 import struct
 import sys
@@ -59,6 +58,7 @@ from ..file_safety import (
     folder_owner,
     replace_own_dir,
 )
+from .text import train_sentencepiece
 
 TOOL = "prepare_mustc"
 # Hidden names in --out-dir: the folder a run builds its files in, and the list of the files
@@ -377,48 +377,28 @@ def read_manifest(path):
 
 
 def train_vocabulary(texts, prefix, vocab_type, vocab_size):
-    """A sentencepiece model and the fairseq dictionary (``prefix.txt``) of its pieces.
-
-    sentencepiece writes ``.model`` and ``.vocab`` itself: it writes them under a hidden
-    temporary prefix, renamed once both are whole, so a kill never leaves a truncated model."""
+    """A sentencepiece model and the fairseq dictionary (``prefix.txt``) of its pieces, each
+    renamed into place whole (``train_sentencepiece``, ``atomic_write_text``)."""
     import sentencepiece as spm
 
-    folder, name = os.path.split(prefix)
-    temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
-    try:
-        model = _train_sentencepiece(spm, texts, prefix, temporary, vocab_type, vocab_size)
-        for ext in (".model", ".vocab"):
-            os.replace(temporary + ext, prefix + ext)
-    finally:
-        for ext in (".model", ".vocab"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(temporary + ext)
-    pieces = range(len(SPECIAL_IDS), model.get_piece_size())
-    atomic_write_text(prefix + ".txt", "".join(f"{model.id_to_piece(i)} 1\n" for i in pieces))
-    return model.get_piece_size()
-
-
-def _train_sentencepiece(spm, texts, prefix, temporary, vocab_type, vocab_size):
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".txt") as corpus:
         corpus.write("".join(t + "\n" for t in texts))
         corpus.flush()
         try:
-            spm.SentencePieceTrainer.train(
-                input=corpus.name,
-                model_prefix=temporary,
-                model_type=vocab_type,
-                vocab_size=vocab_size,
-                character_coverage=1.0,
-                hard_vocab_limit=False,  # a small corpus gets the vocabulary it supports
-                minloglevel=2,
-                **SPECIAL_IDS,
-            )
+            model_path = train_sentencepiece(
+                [corpus.name], prefix, vocab_size, vocab_type,
+                exact_size=False,  # a small corpus gets the vocabulary it supports
+                special_ids=SPECIAL_IDS,
+            )  # fmt: skip
         except RuntimeError as e:  # e.g. fewer pieces than the text has characters
             raise PreparationError(
                 f"sentencepiece on {len(texts)} training targets for {os.path.basename(prefix)} "
                 f"failed (--vocab-type {vocab_type} --vocab-size {vocab_size}): {e}"
             ) from None
-    return spm.SentencePieceProcessor(model_file=temporary + ".model")
+    model = spm.SentencePieceProcessor(model_file=model_path)
+    pieces = range(len(SPECIAL_IDS), model.get_piece_size())
+    atomic_write_text(prefix + ".txt", "".join(f"{model.id_to_piece(i)} 1\n" for i in pieces))
+    return model.get_piece_size()
 
 
 def data_config(spm_prefix, cmvn, specaugment, waveform_input):

@@ -4,10 +4,11 @@ Shared by the demos, the paper recipes and the small-scale study, so that every 
 segments and binarises text the same way.
 """
 
+import contextlib
 import os
 import re
 
-from ..file_safety import OWNER_MARKER, atomic_output, atomic_write_text, staged_dir
+from ..file_safety import OWNER_MARKER, atomic_output, atomic_write_text, publish, staged_dir
 
 # Lies in a folder of split files while they are replaced one by one (a folder that holds other
 # files too, so it cannot be swapped whole): the set is then partly of two runs until a run ends.
@@ -24,10 +25,26 @@ class VocabularyTooLarge(ValueError):
         self.requested, self.largest = requested, largest
 
 
+# sentencepiece's own ids; the speech preparation passes fairseq's (its dictionary's order).
+SENTENCEPIECE_SPECIAL_IDS = {"bos_id": -1, "eos_id": -1, "pad_id": -1, "unk_id": 0}
+
+
 def train_sentencepiece(
-    inputs, prefix, vocab_size, model_type="unigram", max_sentences=None, exact_size=True
+    inputs,
+    prefix,
+    vocab_size,
+    model_type="unigram",
+    max_sentences=None,
+    exact_size=True,
+    special_ids=None,
 ):
-    """Train a sentencepiece model on the files ``inputs``; writes ``prefix.model``.
+    """Train a sentencepiece model on the files ``inputs``; writes ``prefix.model`` and
+    ``prefix.vocab`` and returns the model's path.
+
+    sentencepiece writes both files itself, so it writes them under a hidden prefix beside
+    ``prefix`` (``.NAME.partial``, reused by the next try after a kill), and each is renamed into
+    place once complete, the vocabulary last: a ``prefix.vocab`` means the model beside it is
+    whole. A failed or interrupted training leaves the previous model, if any, as it was.
 
     ``max_sentences`` samples that many lines (sentencepiece's own sampling) for corpora too big
     to hold in memory. With ``exact_size=False`` the vocabulary size is a ceiling, so a corpus too
@@ -35,30 +52,37 @@ def train_sentencepiece(
     """
     import sentencepiece as spm
 
+    prefix = str(prefix)
+    folder, name = os.path.split(prefix)
+    partial = os.path.join(folder, f".{name}.partial")
     options = dict(
         input=",".join(str(p) for p in inputs),
-        model_prefix=str(prefix),
+        model_prefix=partial,
         vocab_size=vocab_size,
         character_coverage=1.0,
         model_type=model_type,
-        bos_id=-1,
-        eos_id=-1,
-        pad_id=-1,
-        unk_id=0,
         hard_vocab_limit=exact_size,
         minloglevel=2,
+        **(SENTENCEPIECE_SPECIAL_IDS if special_ids is None else special_ids),
     )
     if max_sentences:
         options.update(input_sentence_size=max_sentences, shuffle_input_sentence=True)
     try:
-        spm.SentencePieceTrainer.train(**options)
-    except RuntimeError as error:
-        # sentencepiece's "Vocabulary size too high (4000). Please set it to a value <= 606.":
-        # a corpus too small for the size asked, which the caller reports against its option.
-        largest = re.search(r"Vocabulary size too high .*<= (\d+)", str(error))
-        if largest is None:
-            raise
-        raise VocabularyTooLarge(vocab_size, int(largest.group(1))) from None
+        try:
+            spm.SentencePieceTrainer.train(**options)
+        except RuntimeError as error:
+            # sentencepiece's "Vocabulary size too high (4000). Please set it to a value <= 606.":
+            # a corpus too small for the size asked, which the caller reports against its option.
+            largest = re.search(r"Vocabulary size too high .*<= (\d+)", str(error))
+            if largest is None:
+                raise
+            raise VocabularyTooLarge(vocab_size, int(largest.group(1))) from None
+        for ext in (".model", ".vocab"):
+            publish(partial + ext, prefix + ext)
+    finally:
+        for ext in (".model", ".vocab"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(partial + ext)
     return f"{prefix}.model"
 
 

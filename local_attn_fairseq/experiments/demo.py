@@ -47,6 +47,7 @@ from ..file_safety import (
     check_output_dir,
     claim_output_dir,
     exit_on_os_error,
+    publish,
     remove_leftover_temporaries,
     staged_dir,
 )
@@ -150,18 +151,15 @@ def segment(raw, spm_dir, src, tgt, vocab_size):
     """A joint sentencepiece model of the training split, then every split encoded with it."""
     os.makedirs(spm_dir, exist_ok=True)
     remove_leftover_temporaries(spm_dir)  # an interrupted encoding's
-    # sentencepiece writes <prefix>.model and .vocab itself: a hidden prefix, then renamed.
-    training = os.path.join(spm_dir, ".training-spm")
     try:
-        train_sentencepiece([f"{raw}/train.{src}", f"{raw}/train.{tgt}"], training, vocab_size)
+        model = train_sentencepiece(
+            [f"{raw}/train.{src}", f"{raw}/train.{tgt}"], os.path.join(spm_dir, "spm"), vocab_size
+        )
     except VocabularyTooLarge as error:  # a small --max-train: the user's to fix, one line
         sys.exit(
             f"error: --vocab-size {vocab_size}: the training data allows at most "
             f"{error.largest}; pass --vocab-size {error.largest} or less, or more --max-train"
         )
-    for suffix in ("vocab", "model"):
-        os.replace(f"{training}.{suffix}", os.path.join(spm_dir, f"spm.{suffix}"))
-    model = os.path.join(spm_dir, "spm.model")
     for split in SPLITS:
         for lang in (src, tgt):
             encode_file(model, f"{raw}/{split}.{lang}", f"{spm_dir}/{split}.{lang}")
@@ -282,9 +280,7 @@ def decode_and_score(argv, checkpoint, out_path, metric="BLEU"):
     partial = f"{out_path}.partial"
     run_tool("fairseq-generate", argv, partial)
     score = generated_score(partial, metric)
-    with open(partial, "rb") as written:
-        os.fsync(written.fileno())
-    os.replace(partial, out_path)
+    publish(partial, out_path)
     return score
 
 

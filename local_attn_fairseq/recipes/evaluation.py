@@ -10,7 +10,7 @@ import shutil
 
 from ..checkpoint_files import UnreadableCheckpointError, read_checkpoint
 from ..experiments.fairseq_runner import USER_DIR
-from ..file_safety import atomic_write_text, replace_own_dir
+from ..file_safety import atomic_write_text, publish, replace_own_dir
 from . import scoring
 from .config import RecipeError
 from .training import training_settings
@@ -94,9 +94,7 @@ def decode(run, row, subset, argv, output):
     if run.dry_run:
         return
     os.makedirs(os.path.dirname(output), exist_ok=True)
-    with open(os.path.join(partial, os.path.basename(output)), "rb") as written:
-        os.fsync(written.fileno())
-    os.replace(os.path.join(partial, os.path.basename(output)), output)
+    publish(os.path.join(partial, os.path.basename(output)), output)
     shutil.rmtree(partial)
 
 

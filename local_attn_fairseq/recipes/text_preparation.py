@@ -60,9 +60,8 @@ def raw_source(run, dataset):
 def sentencepiece_models(langs, settings, raw, spm_dir):
     """{lang: model path}: one joint model, or one per language.
 
-    Each model is trained under a temporary prefix and renamed into place, the model first and
-    the vocabulary last: a model whose vocabulary is in place is whole (a killed training
-    leaves only temporary files, and is redone)."""
+    A model whose vocabulary is in place is whole (``train_sentencepiece`` renames the vocabulary
+    last); a killed training leaves only temporary files, and is redone."""
     os.makedirs(spm_dir, exist_ok=True)
     joint = settings.get("joint", False) and len(langs) > 1
     groups = {"joint": langs} if joint else {lang: [lang] for lang in langs}
@@ -70,19 +69,14 @@ def sentencepiece_models(langs, settings, raw, spm_dir):
     for name, members in groups.items():
         prefix = os.path.join(spm_dir, f"spm.{name}")
         if not os.path.exists(prefix + ".vocab"):
-            partial = os.path.join(spm_dir, f".spm.{name}.partial")
             train_sentencepiece(
                 [os.path.join(raw, f"train.{lang}") for lang in members],
-                partial,
+                prefix,
                 int(settings.get("vocab_size", 32000)),
                 settings.get("model_type", "bpe"),
                 settings.get("spm_sentences", DEFAULT_SPM_SENTENCES),
                 exact_size=False,
             )
-            for ext in ("model", "vocab"):
-                with open(f"{partial}.{ext}", "rb") as written:
-                    os.fsync(written.fileno())  # on disk before its name says it is whole
-                os.replace(f"{partial}.{ext}", f"{prefix}.{ext}")
         models.update({lang: prefix + ".model" for lang in members})
     return models
 

@@ -19,6 +19,8 @@ from local_attn_fairseq.experiments import (
 )
 from local_attn_fairseq.file_safety import OWNER_MARKER, claim_output_dir
 
+from ..conftest import kill_sentencepiece
+
 TOOLS = {
     "demo": (demo, ["--corpus", "ding-de-en"]),
     "prune_demo": (prune_demo, []),
@@ -220,6 +222,25 @@ def test_sentencepiece_says_which_vocabulary_the_data_allows(tmp_path):
     with pytest.raises(VocabularyTooLarge) as refused:
         train_sentencepiece([tmp_path / "train.de", tmp_path / "train.en"], tmp_path / "m", 4000)
     assert refused.value.requested == 4000 and 0 < refused.value.largest < 4000
+
+
+def test_a_killed_sentencepiece_training_leaves_the_previous_model_whole(tmp_path, monkeypatch):
+    import sentencepiece
+
+    small_corpus(tmp_path)
+    inputs = [tmp_path / "train.de", tmp_path / "train.en"]
+    model = train_sentencepiece(inputs, tmp_path / "spm", 29)
+    assert model == f"{tmp_path}/spm.model"
+    before = {name: (tmp_path / name).read_bytes() for name in ("spm.model", "spm.vocab")}
+
+    with monkeypatch.context() as killed:
+        kill_sentencepiece(killed)
+        with pytest.raises(KeyboardInterrupt):
+            train_sentencepiece(inputs, tmp_path / "spm", 28)
+    after = {name: (tmp_path / name).read_bytes() for name in ("spm.model", "spm.vocab")}
+    assert after == before and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    train_sentencepiece(inputs, tmp_path / "spm", 28)  # the next try is whole and replaces it
+    assert sentencepiece.SentencePieceProcessor(model_file=model).get_piece_size() == 28
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ from local_attn_fairseq.recipes import scoring, text_preparation
 from local_attn_fairseq.recipes.driver import RecipeRun
 from local_attn_fairseq.recipes.workspace import WORK_DIR_OWNER
 
+from ..conftest import kill_sentencepiece
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 RECIPE, ROW = "pande_wmt14_en_de", "Baseline (a)"
@@ -141,27 +143,17 @@ def test_prepare_refuses_data_without_a_record(tmp_path, capsys):
 
 
 def test_an_interrupted_sentencepiece_training_is_not_reused(tmp_path, monkeypatch):
-    work_dir, raw = tmp_path / "work", write_raw_dir(tmp_path / "raw")
-    real_training = text_preparation.train_sentencepiece
-
-    def killed_while_writing(inputs, prefix, *args, **kwargs):
-        # a whole model elsewhere, half of it where sentencepiece was told to write, then a kill
-        whole = real_training(inputs, str(tmp_path / "whole"), *args, **kwargs)
-        with open(whole, "rb") as f:
-            data = f.read()
-        with open(f"{prefix}.model", "wb") as f:
-            f.write(data[: len(data) // 2])
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(text_preparation, "train_sentencepiece", killed_while_writing)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(work_dir, raw)
-    spm_dir = work_dir / "data" / DATA / "spm"
-    assert not (spm_dir / "spm.joint.model").exists()
-    monkeypatch.setattr(text_preparation, "train_sentencepiece", real_training)
-    assert prepare(work_dir, raw) == 0
     import sentencepiece
 
+    work_dir, raw = tmp_path / "work", write_raw_dir(tmp_path / "raw")
+
+    with monkeypatch.context() as killed:
+        kill_sentencepiece(killed)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(work_dir, raw)
+    spm_dir = work_dir / "data" / DATA / "spm"
+    assert sorted(os.listdir(spm_dir)) == []  # neither a model nor its half
+    assert prepare(work_dir, raw) == 0
     model = sentencepiece.SentencePieceProcessor(model_file=str(spm_dir / "spm.joint.model"))
     assert model.get_piece_size() > 10 and (spm_dir / "spm.joint.vocab").exists()
 

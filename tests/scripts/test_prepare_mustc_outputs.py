@@ -10,7 +10,7 @@ import soundfile as sf
 from local_attn_fairseq.data import mustc
 from local_attn_fairseq.file_safety import OWNER_MARKER
 
-from ..conftest import run_script, snapshot
+from ..conftest import kill_sentencepiece, run_script, snapshot
 
 PREPARER = os.path.join("scripts", "data", "prepare_mustc.py")
 # (talk, [segment seconds]): the 3 s training segments (~300 frames) fall to --max-frames 200.
@@ -113,17 +113,6 @@ def test_a_narrower_rerun_leaves_no_file_of_the_earlier_run(corpus, tmp_path):
     rows = {k: v for k, v in read_rows(out).items() if "shuffled" not in k[0]}
     assert len(rows) == 2 * (3 + 2)  # the two 3 s training segments are dropped
     assert_same_features(rows, first)
-
-
-def kill_sentencepiece(monkeypatch):
-    import sentencepiece as spm
-
-    def killed(model_prefix, **_):
-        with open(model_prefix + ".model", "wb") as f:
-            f.write(b"half a mod")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(spm.SentencePieceTrainer, "train", killed)
 
 
 def kill_savez(monkeypatch):
