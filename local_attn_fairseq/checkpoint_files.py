@@ -11,6 +11,7 @@ checkpoint of the save folder instead; the unreadable file itself is never touch
 import contextlib
 import copy
 import glob
+import hashlib
 import logging
 import os
 import shutil
@@ -67,6 +68,18 @@ def read_checkpoint(path: str) -> dict:
             f"{path} cannot be read ({type(error).__name__}: {error}); it is truncated or not "
             "a checkpoint"
         ) from None
+
+
+def weights_fingerprint(path: str) -> str:
+    """12 hex digits of SHA-256 over the model's weights in checkpoint `path` (names, dtypes,
+    shapes and values, in name order): equal for two checkpoints of the same weights, whatever
+    else they store (optimizer state, training time), and different for any other weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(read_checkpoint(path)["model"].items()):
+        tensor = tensor.detach().cpu()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:12]
 
 
 def training_position(state: dict):

@@ -36,13 +36,13 @@ report (tables, learning curves, the claim's verdict) goes to ``WORK/speech_stud
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from ..checkpoint_files import copy_checkpoint, weights_fingerprint
 from ..cli_types import non_negative_int, positive_int
 from ..data.mustc import read_manifest
 from . import speech_pipeline, study
@@ -233,6 +233,7 @@ def score_run(run, log, data, task, max_update, dev_size):
     if task == "asr":
         record["chosen_windows"] = chosen
         record["contributions"] = layers
+        record["weights_fingerprint"] = weights_fingerprint(checkpoint)
     else:
         record["shuffled_audio_score"] = shuffled_audio_score(data, run)
     return record
@@ -247,19 +248,31 @@ def shuffled_audio_score(data, run):
     )  # fmt: skip
 
 
-def encoder_path(asr, best_update):
+def encoder_path(asr, asr_record):
     """Where the ST runs load their encoder from: a copy of the ASR model's best checkpoint
-    named by the update it was saved at, so an ASR run trained further (a raised cap) gives
-    the ST runs new keys instead of changing what recorded runs started from."""
-    return os.path.join(asr.save_dir, f"encoder_for_st_u{best_update}.pt")
+    named by the update it was saved at and the fingerprint of its weights, so that an ASR run
+    trained further (a raised cap) or trained again (on a machine without its checkpoint) gives
+    the ST runs new keys instead of changing what recorded runs started from. (Records of the
+    first ASR run have no fingerprint: their ST runs keep the name by update alone.)"""
+    best_update = asr_record["updates_to_convergence"]
+    fingerprint = asr_record.get("weights_fingerprint")
+    name = f"encoder_for_st_u{best_update}" + (f"_{fingerprint}" if fingerprint else "")
+    return os.path.join(asr.save_dir, name + ".pt")
 
 
-def copy_encoder(asr, best_update):
-    path = encoder_path(asr, best_update)
+def copy_encoder(asr, asr_record):
+    """The ST runs' encoder, copied from the ASR run's best checkpoint once; refused when that
+    checkpoint holds other weights than the recorded ASR model's."""
+    path = encoder_path(asr, asr_record)
     if not os.path.exists(path):
-        temporary = path + ".tmp"
-        shutil.copyfile(os.path.join(asr.save_dir, "checkpoint_best.pt"), temporary)
-        os.replace(temporary, path)
+        best = os.path.join(asr.save_dir, "checkpoint_best.pt")
+        recorded = asr_record.get("weights_fingerprint")
+        if recorded and weights_fingerprint(best) != recorded:
+            raise RunFailed(
+                f"{best} is not the recorded ASR model (weights {weights_fingerprint(best)}, "
+                f"recorded {recorded}): move the ASR record away to score this one instead"
+            )
+        copy_checkpoint(best, path)
     return path
 
 
@@ -308,9 +321,8 @@ def dev_size(data):
 
 def train_st(data, sizes, args, recorded, asr, asr_record):
     """Both ST arms, every seed: each run's record read, or the run trained and scored."""
-    best_update = asr_record["updates_to_convergence"]
     runs = st_runs(
-        data, encoder_path(asr, best_update), asr_record["chosen_windows"], args.seed_list,
+        data, encoder_path(asr, asr_record), asr_record["chosen_windows"], args.seed_list,
         sizes.model_dim,
     )
     to_train = [run for run in runs if recorded.read(run, sizes.st_max_update) is None]
@@ -323,7 +335,7 @@ def train_st(data, sizes, args, recorded, asr, asr_record):
             f"the ASR model is recorded but its checkpoint is not in {asr.save_dir} (records "
             "from another machine?): move the ASR record away to train it here again"
         )
-    copy_encoder(asr, best_update)
+    copy_encoder(asr, asr_record)
 
     def score(finished, log):
         result = score_run(finished, log, data, "st", sizes.st_max_update, dev_size(data))

@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from local_attn_fairseq.checkpoint_files import weights_fingerprint
+
 from ..conftest import REPO, run_script
 from .speech_corpus import needs_diatheke, needs_espeak
 
@@ -38,6 +40,15 @@ def test_speech_study_trains_scores_records_and_reports(tmp_path):
     assert by_arm["asr"]["metric"] == "WER" and by_arm["global"]["metric"] == "BLEU"
     assert by_arm["global"]["windows"] == "0,0,0,0,0,0"
     assert by_arm["local"]["windows"] == by_arm["asr"]["chosen_windows"]
+    # the ST runs start from the recorded ASR model, named by the fingerprint of its weights
+    (asr_dir,) = work.glob("*/runs/asr-*")
+    fingerprint = weights_fingerprint(str(asr_dir / "checkpoint_best.pt"))
+    assert by_arm["asr"]["weights_fingerprint"] == fingerprint
+    encoder = asr_dir / f"encoder_for_st_u{by_arm['asr']['updates_to_convergence']}_{fingerprint}.pt"
+    assert weights_fingerprint(str(encoder)) == fingerprint
+    for st_dir in work.glob("*/runs/st_*"):
+        argv = json.loads((st_dir / "settings.json").read_text())["argv"]
+        assert argv[argv.index("--load-pretrained-encoder-from") + 1] == str(encoder)
     # dev and test are spoken by the held-out voice alone
     assert "spoken by spk.en-us-nyc.f5, a voice training never hears" in first
 
