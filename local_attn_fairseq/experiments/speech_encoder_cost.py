@@ -112,13 +112,13 @@ def step(encoder, features, lengths):
     encoder.zero_grad(set_to_none=True)
 
 
-def timed_step(encoder, features, lengths):
+def timed_step(encoder, features, lengths, clock=time.perf_counter):
     sync = torch.cuda.synchronize if features.is_cuda else (lambda: None)
     sync()
-    start = time.perf_counter()
+    start = clock()
     step(encoder, features, lengths)
     sync()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def peak_memory(encoder, features, lengths):
@@ -128,9 +128,17 @@ def peak_memory(encoder, features, lengths):
     return peak
 
 
-def measure(models, frames, batch, rounds, device="cpu", dtype=torch.float32):
+def measure(models, frames, batch, rounds, device="cpu", dtype=torch.float32, cpu_time=False):
     """{name: (median seconds of a forward + backward, peak bytes, GPU busy seconds or None)}
-    of each encoder on one batch of `batch` utterances of `frames` filterbank frames."""
+    of each encoder on one batch of `batch` utterances of `frames` filterbank frames.
+
+    Seconds are wall-clock time, or with ``cpu_time`` (CPU only) the process's CPU time: with
+    one torch thread that is what other processes on a shared machine change least (two
+    threads, each waiting for the other whenever another process holds a core, took a local
+    encoder from 0.84x the global one's time on idle cores to 1.24x beside two busy ones)."""
+    if cpu_time and torch.device(device).type != "cpu":
+        raise ValueError("cpu_time measures CPU runs only")
+    clock = time.process_time if cpu_time else time.perf_counter
     features = torch.randn(batch, frames, FBANK_DIM, device=device, dtype=dtype)
     lengths = torch.full((batch,), frames, dtype=torch.long, device=device)
     names = list(models)
@@ -139,7 +147,7 @@ def measure(models, frames, batch, rounds, device="cpu", dtype=torch.float32):
     times = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(timed_step(models[name], features, lengths))
+            times[name].append(timed_step(models[name], features, lengths, clock))
     memory = {name: peak_memory(models[name], features, lengths) for name in names}
     busy = {name: None for name in names}
     if features.is_cuda:  # the GPU's own share of a step (the rest is the host's)

@@ -389,11 +389,17 @@ def attention_cost(data, windows, model_dim, rounds, batch=None):
         }
     cost["mean_encoder_frames"] = int(at_mean["encoder_frames"][0])
     batch = batch or max(1, speech_pipeline.MAX_TOKENS // mean_frames)
-    measured = measure(encoders, mean_frames, batch, rounds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the study's runs may hold the cores: see measure's cpu_time
+    try:
+        measured = measure(encoders, mean_frames, batch, rounds, cpu_time=True)
+    finally:
+        torch.set_num_threads(threads)
     cost["timing"] = {
         "batch": batch,
         "rounds": rounds,
-        "threads": torch.get_num_threads(),
+        "threads": 1,
+        "clock": "CPU time",
         **{arm: {"seconds": t, "peak_bytes": m} for arm, (t, m, _) in measured.items()},
     }
     return cost

@@ -131,7 +131,9 @@ def cost_lines(cost):
         f"positions) and summed over the {cost['utterances']:,} training utterances; measured: "
         f"one forward + backward of each encoder (same weights) on a batch of {t['batch']} "
         f"utterances at the mean length, median of {t['rounds']} rounds, "
-        f"{t['threads']} CPU threads:",
+        f"{t['threads']} CPU thread{'s' if t['threads'] > 1 else ''}"
+        + (f", the process's {t['clock']}" if "clock" in t else "")
+        + ":",
         "",
         "| | global | local | local / global |",
         "|---|---:|---:|---:|",

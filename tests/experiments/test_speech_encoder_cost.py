@@ -1,6 +1,8 @@
 """The speech encoder's counted and measured cost: attention pairs, operations, the subsampler's
 lengths, and the side-by-side timing of two encoders."""
 
+import time
+
 import pytest
 import torch
 
@@ -65,3 +67,19 @@ def test_measure_times_both_encoders_on_the_same_batch():
     assert set(result) == set(encoders)
     for seconds, peak, busy in result.values():
         assert seconds > 0 and peak > 0 and busy is None
+
+
+def test_measure_can_take_the_process_cpu_time(monkeypatch):
+    encoders = {"global": build_encoder("0,0,0,0,0,0", arch=s2t_transformer_local_tiny)[0]}
+    clocks = []
+    real_clock = time.process_time
+
+    def counted_clock():
+        clocks.append(True)
+        return real_clock()
+
+    monkeypatch.setattr(time, "process_time", counted_clock)
+    (seconds, _, _), = measure(encoders, frames=60, batch=1, rounds=3, cpu_time=True).values()
+    assert seconds > 0 and len(clocks) == 2 * 3  # a start and an end per timed round
+    with pytest.raises(ValueError, match="CPU runs only"):
+        measure(encoders, frames=60, batch=1, rounds=1, device="cuda", cpu_time=True)
