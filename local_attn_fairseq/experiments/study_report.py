@@ -394,7 +394,7 @@ def heading(results, name=None):
         title = "Study at a fixed budget (every run stopped at its cap)"
     else:
         title = f"Study to convergence or a cap ({converged} of {len(runs)} runs converged)"
-    return f"## {title}" + (f": {name}" if name else "")
+    return f"## {title}" + (f" (`--section {name}`)" if name else "")
 
 
 def report(results, settings, images):
@@ -404,8 +404,10 @@ def report(results, settings, images):
         "",
         f"The demo's model ({settings['model']}, 8 heads, 6 encoder and 2 decoder layers, "
         f"pre-norm) and schedule, {counted(settings['jobs'], 'run')} side by side with the cores "
-        "split evenly between them (every run under the same load, so words/s compare across "
-        "models). Updates to convergence: the update of the best validation loss (mean over seeds).",
+        "split evenly between them. Words/s is each run's mean over its epochs, measured beside "
+        "the other runs and whatever else the machine ran while it trained, so it ranks the "
+        "models' speed only roughly (`benchmarks/training_throughput.py` measures them side by "
+        "side). Updates to convergence: the update of the best validation loss (mean over seeds).",
         "",
     ]
     for result in results:

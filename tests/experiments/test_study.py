@@ -178,7 +178,7 @@ def test_the_reports_title_says_what_stopped_its_runs(converged, title):
         {"models": {"local_tied": {"runs": [{"converged": c} for c in converged[2:]]}}},
     ]
     assert study_report.heading(results) == title
-    assert study_report.heading(results, "lr") == f"{title}: lr"
+    assert study_report.heading(results, "lr") == f"{title} (`--section lr`)"
 
 
 def test_write_report_writes_markdown_curves_and_json(tmp_path):
