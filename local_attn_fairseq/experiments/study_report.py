@@ -182,20 +182,37 @@ NO_WORSE_MARGIN = 1.0  # BLEU
 ENCODER_HEADS = 48  # the demo's 6 layers x 8 heads
 
 
-def claim_verdict(kind, model, baseline):
-    """(what was measured, verdict) of one claim, from two models' summaries."""
+def seeds_spread(model, baseline):
+    """The seeds' spread of a model's BLEU against the baseline's; None where both have one
+    seed, which gives none."""
+    if max(len(model["runs"]), len(baseline["runs"])) < 2:
+        return None
+    return (model["bleu_std"] ** 2 + baseline["bleu_std"] ** 2) ** 0.5
+
+
+def claim_verdict(kind, model, baseline, borrowed_spread=None):
+    """(what was measured, verdict) of one claim, from two models' summaries.
+
+    A "better" claim needs the model above the baseline by more than the seeds' spread. Runs of
+    one seed have none: ``borrowed_spread`` (spread, where it was measured) stands in for it,
+    the same models' spread under another budget, so that one seed's small lead is not taken
+    for an improvement."""
     diff = model["bleu_mean"] - baseline["bleu_mean"]
-    spread = (model["bleu_std"] ** 2 + baseline["bleu_std"] ** 2) ** 0.5
+    spread, spread_of = seeds_spread(model, baseline), "the seeds' spread"
+    if spread is None and borrowed_spread is not None:
+        spread, where = borrowed_spread
+        spread_of = f"the seeds' spread {where}, {spread:.2f}"
     measured = (
         f"{model['bleu_mean']:.2f} ± {model['bleu_std']:.2f} vs {baseline['bleu_mean']:.2f} ± "
         f"{baseline['bleu_std']:.2f} ({diff:+.2f})"
     )
     if kind == "better":
+        spread = spread or 0.0
         if diff > spread:
             return measured, "holds"
         if diff < -spread:
             return measured, "does not hold"
-        return measured, "not shown (within the seeds' spread)"
+        return measured, f"not shown (within {spread_of})"
     verdict = "holds" if diff >= -NO_WORSE_MARGIN else "does not hold"
     if kind == "pruned":
         kept = model["encoder_heads_kept"]
@@ -291,21 +308,28 @@ def claims_lines(result, compared=None):
         f"The papers' claims against this corpus's runs (BLEU mean ± std over {over}, "
         f"model vs baseline; \"little\" is at most {NO_WORSE_MARGIN:.0f} BLEU"
         + ("; one seed gives no spread, so a verdict is provisional" if seeds[0] < 2 else "")
+        + ("; an improvement must exceed the same models' seeds' spread at the cap"
+           if seeds[0] < 2 and compared else "")
         + "):",
         "",
         "| paper | claim | " + " | ".join(columns) + " |",
         "|---|---|" + "---|" * len(columns),
     ]
     baseline_better = better.get("baseline", (models["baseline"], DEFAULT_RATE))
+    other = compared["models"] if compared else {}
     for name, paper, claim, kind in claimed:
-        measured, verdict = claim_verdict(kind, models[name], models["baseline"])
+        borrowed = None
+        if name in other and "baseline" in other:
+            spread = seeds_spread(other[name], other["baseline"])
+            where = f"at a cap of {compared['max_update']:,} updates"
+            borrowed = (spread, where) if spread is not None else None
+        measured, verdict = claim_verdict(kind, models[name], models["baseline"], borrowed)
         cells = [measured, verdict]
         if better:
             model, rate = better.get(name, (models[name], DEFAULT_RATE))
-            at_rate, rate_verdict = claim_verdict(kind, model, baseline_better[0])
+            at_rate, rate_verdict = claim_verdict(kind, model, baseline_better[0], borrowed)
             cells.append(f"{rate_verdict}: lr {rate} vs {baseline_better[1]}, {at_rate}")
         if compared:
-            other = compared["models"]
             if name in other and "baseline" in other:
                 was, was_verdict = claim_verdict(kind, other[name], other["baseline"])
                 cells.append(f"{was_verdict}: {was}")
