@@ -267,10 +267,11 @@ def copy_encoder(asr, asr_record):
     if not os.path.exists(path):
         best = os.path.join(asr.save_dir, "checkpoint_best.pt")
         recorded = asr_record.get("weights_fingerprint")
-        if recorded and weights_fingerprint(best) != recorded:
+        found = weights_fingerprint(best) if recorded else None
+        if found != recorded:
             raise RunFailed(
-                f"{best} is not the recorded ASR model (weights {weights_fingerprint(best)}, "
-                f"recorded {recorded}): move the ASR record away to score this one instead"
+                f"{best} is not the recorded ASR model (weights {found}, recorded {recorded}): "
+                "move the ASR record away to score this one instead"
             )
         copy_checkpoint(best, path)
     return path
