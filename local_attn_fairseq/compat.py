@@ -24,6 +24,10 @@ They are applied when the plugin is imported and are idempotent:
   unpickler; it now resumes from the newest intact checkpoint of the save folder with a warning
   naming both files, and names the problem when none is intact. A checkpoint whose parameters
   have other shapes than the model built from the command line is refused naming them.
+* fairseq's n-gram blocker without its CUDA extension (which the pinned fairseq does not build:
+  every CPU and GPU run) takes the last n-1 tokens of the whole token buffer, padding beyond the
+  current step, instead of the last n-1 generated ones, so ``--no-repeat-ngram-size`` blocks
+  nothing (fairseq issue 5206). It now sees the tokens generated so far, as the CUDA kernel does.
 * fairseq-train's ``main`` marks the run, so that the plugin's models know they are built for
   training (and compare the command line with the checkpoint being resumed, see
   ``models/resume_check.py``) and not for fairseq-generate or an analysis tool.
@@ -204,6 +208,24 @@ def fall_back_to_intact_checkpoints():
         checkpoint_utils.load_checkpoint = _load_checkpoint_with_fallback
 
 
+_original_no_repeat_ngram = None  # fairseq's, set by the shim
+
+
+def _no_repeat_ngram_of_generated_tokens(self, tokens, lprobs, bsz, beam_size, step):
+    """fairseq's blocker given only the step + 1 tokens generated so far (the first one the
+    start of sentence): its n-1 last tokens are then the hypothesis' own."""
+    return _original_no_repeat_ngram(self, tokens[:, : step + 1], lprobs, bsz, beam_size, step)
+
+
+def block_ngrams_of_generated_tokens():
+    global _original_no_repeat_ngram
+    from fairseq.ngram_repeat_block import NGramRepeatBlock
+
+    if NGramRepeatBlock._no_repeat_ngram is not _no_repeat_ngram_of_generated_tokens:
+        _original_no_repeat_ngram = NGramRepeatBlock._no_repeat_ngram
+        NGramRepeatBlock._no_repeat_ngram = _no_repeat_ngram_of_generated_tokens
+
+
 _original_train_main = None  # fairseq's, set by the shim
 
 
@@ -228,5 +250,6 @@ def apply():
     fall_back_to_intact_checkpoints()
     mark_fairseq_train_runs()
     allow_cpu_pytorch_ddp()
+    block_ngrams_of_generated_tokens()
     provide_sox_effects()
     provide_numpy_compat()

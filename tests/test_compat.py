@@ -186,3 +186,32 @@ def test_fairseq_train_main_marks_the_run(monkeypatch):
     cfg = argparse.Namespace(checkpoint=argparse.Namespace(save_dir="somewhere"))
     assert train.main(cfg) is cfg.checkpoint
     assert checkpoint_files.current_fairseq_train_run() is None
+
+
+def _blocked_after(block, generated, buffer_length=8, pad=1, vocab=10):
+    """The tokens the blocker bans next for one hypothesis that generated ``generated`` (its
+    first token the start of sentence) in a token buffer padded to ``buffer_length``."""
+    tokens = torch.full((1, buffer_length), pad)
+    tokens[0, : len(generated)] = torch.tensor(generated)
+    lprobs = block(tokens, torch.zeros(1, vocab), bsz=1, beam_size=1, step=len(generated) - 1)
+    return set(torch.isneginf(lprobs[0]).nonzero().flatten().tolist())
+
+
+def test_fairseq_ngram_blocker_looks_at_the_padding(monkeypatch):
+    from fairseq.ngram_repeat_block import NGramRepeatBlock
+
+    compat.apply()
+    monkeypatch.setattr(NGramRepeatBlock, "_no_repeat_ngram", compat._original_no_repeat_ngram)
+    assert _blocked_after(NGramRepeatBlock(2, use_extension=False), [2, 5, 6, 5]) == set()
+
+
+def test_ngram_blocker_bans_repeats_of_the_generated_tokens_with_the_shim():
+    from fairseq.ngram_repeat_block import NGramRepeatBlock
+
+    compat.apply()
+    bigrams, trigrams = NGramRepeatBlock(2, use_extension=False), NGramRepeatBlock(3, False)
+    assert _blocked_after(bigrams, [2, 5, 6, 5]) == {6}  # 5 6 was generated
+    assert _blocked_after(bigrams, [2, 5, 6, 5, 7, 5]) == {6, 7}
+    assert _blocked_after(trigrams, [2, 5, 6, 7, 5, 6]) == {7}
+    assert _blocked_after(trigrams, [2, 5, 6, 7, 6, 5]) == set()
+    assert _blocked_after(bigrams, [2, 5, 6, 5], buffer_length=4) == {6}  # no padding at all

@@ -457,6 +457,39 @@ def test_print_alignment(mt, family):
         assert all(0 <= s < len(tokens(decoded.sources[i])) for s, _ in pairs)
 
 
+def test_no_repeat_ngram_size(mt, family):
+    decoded = mt.generate(family, *DECODE, "--beam", 3, "--no-repeat-ngram-size", 2)
+    assert_one_hypothesis_per_sentence(decoded)
+    for [(_, hypo)] in decoded.hypotheses.values():
+        words = tokens(hypo)
+        bigrams = list(zip(words, words[1:]))
+        assert len(bigrams) == len(set(bigrams)), hypo
+
+
+def test_score_reference_gives_greedy_translations_their_scores(mt, family, tiny_data, tmp_path):
+    """--score-reference scores a given target with one full forward pass of the decoder; given
+    each sentence's greedy translation as its target, it must find the scores that greedy search
+    found one token at a time (incremental decoding)."""
+    reference = greedy(mt, family)
+    raw, dest = tmp_path / "raw", tmp_path / "bin"
+    raw.mkdir()
+    with open(tiny_data / "small" / "test.de", encoding="utf-8") as f:
+        (raw / "test.de").write_text(f.read(), encoding="utf-8")
+    best = reference.best()
+    translations = "".join(" ".join(tokens(best[i])) + "\n" for i in range(TEST_SENTENCES))
+    (raw / "test.en").write_text(translations, encoding="utf-8")
+    fairseq_preprocess("--source-lang", "de", "--target-lang", "en", "--testpref", raw / "test",
+                       "--destdir", dest, "--srcdict", mt.data_bin / "dict.de.txt",
+                       "--tgtdict", mt.data_bin / "dict.en.txt", "--workers", 1)  # fmt: skip
+    scored = fairseq_generate(dest, mt.base(family).checkpoint, *DECODE, "--score-reference")
+    assert_one_hypothesis_per_sentence(scored)
+    assert scored.best() == best
+    for i in range(TEST_SENTENCES):
+        assert scored.hypotheses[i][0][0] == pytest.approx(reference.hypotheses[i][0][0], abs=1e-4)
+        # token scores are printed to four decimals
+        assert scored.positional[i][0] == pytest.approx(reference.positional[i][0], abs=2e-4)
+
+
 # ---- fairseq-interactive ------------------------------------------------------------------------
 
 
@@ -480,6 +513,31 @@ def test_interactive_batches_translate_as_generate_does(mt, family, tiny_data, t
     assert decoded.best() == {i: reference.best()[i] for i in range(n)}
     for i in range(n):
         assert decoded.hypotheses[i][0][0] == pytest.approx(reference.hypotheses[i][0][0], abs=1e-4)
+
+
+def test_interactive_constraints(mt, family, tiny_data, tmp_path):
+    """Lexically constrained beam search: each sentence's constraint (a word of its reference)
+    is in its translation."""
+    n = 6
+    known = {line.split()[0] for line in (mt.data_bin / "dict.en.txt").read_text().splitlines()}
+    lines = []
+    with open(tiny_data / "small" / "test.de", encoding="utf-8") as de, \
+            open(tiny_data / "small" / "test.en", encoding="utf-8") as en:  # fmt: skip
+        for source, target in zip(de, en):
+            words = [w for w in target.split() if w in known]
+            if words:
+                lines.append((source.strip(), max(words, key=len)))
+            if len(lines) == n:
+                break
+    input_file = tmp_path / "input.de"
+    input_file.write_text("".join(f"{s}\t{c}\n" for s, c in lines), encoding="utf-8")
+    decoded = fairseq_interactive(
+        mt.data_bin, mt.base(family).checkpoint, input_file, "--source-lang", "de",
+        "--target-lang", "en", "--beam", 3, "--max-len-b", 8, "--constraints",
+    )  # fmt: skip
+    assert_one_hypothesis_per_sentence(decoded, n=n)
+    for i, (_, constraint) in enumerate(lines):
+        assert constraint in tokens(decoded.hypotheses[i][0][1]), (constraint, decoded.text)
 
 
 # ---- fairseq-train's options --------------------------------------------------------------------
@@ -517,6 +575,27 @@ def test_activation_checkpointing_trains_the_same_model(mt, family, option):
     assert found.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(found[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_store_ema(mt, family, tmp_path):
+    """fairseq's exponential moving average of the weights: it leaves training as it was, holds
+    every weight once (tied Wq/Wk included), and its checkpoint (fairseq's
+    ``save_ema_as_checkpoint``) translates."""
+    base = mt.base(family)
+    run = mt.train(family, "--store-ema", "--ema-decay", 0.5, *SHORT_RUN)
+    trained = run.parameters()
+    for name, value in base.parameters().items():
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=1e-4, msg=name)
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(run.checkpoint))
+    ema = state["extra_state"]["ema"]
+    assert ema.keys() == trained.keys()
+    assert all(torch.isfinite(value).all() for value in ema.values() if value.is_floating_point())
+    # averaged with the weights of earlier updates, the weights updated by training differ
+    assert any(not torch.equal(ema[name], trained[name]) for name in trained)
+    averaged = tmp_path / "checkpoint_ema.pt"
+    checkpoint_utils.save_ema_as_checkpoint(str(run.checkpoint), str(averaged))
+    assert_one_hypothesis_per_sentence(fairseq_generate(mt.data_bin, averaged, *DECODE,
+                                                        "--beam", 2))  # fmt: skip
 
 
 def test_layerdrop_train_and_generate(mt, family):
