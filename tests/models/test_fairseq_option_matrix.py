@@ -540,6 +540,25 @@ def test_interactive_constraints(mt, family, tiny_data, tmp_path):
         assert constraint in tokens(decoded.hypotheses[i][0][1]), (constraint, decoded.text)
 
 
+# ---- fairseq's Python API -----------------------------------------------------------------------
+
+
+def test_hub_interface_translates_as_generate_does(mt, family, tiny_data):
+    """``from_pretrained`` (fairseq's hub interface) on the plugin's checkpoint, then
+    ``translate``: six sentences in one batch, fairseq-generate's greedy translations."""
+    from fairseq.models.transformer import TransformerModel
+
+    n = 6
+    with open(tiny_data / "small" / "test.de", encoding="utf-8") as f:
+        lines = [next(f).strip() for _ in range(n)]
+    hub = TransformerModel.from_pretrained(
+        str(mt.base(family).save_dir), checkpoint_file="checkpoint_last.pt",
+        data_name_or_path=str(mt.data_bin),
+    )  # fmt: skip
+    reference = greedy(mt, family).best()
+    assert hub.translate(lines, beam=1, max_len_b=8) == [reference[i] for i in range(n)]
+
+
 # ---- fairseq-train's options --------------------------------------------------------------------
 
 
