@@ -28,11 +28,17 @@ They are applied when the plugin is imported and are idempotent:
   every CPU and GPU run) takes the last n-1 tokens of the whole token buffer, padding beyond the
   current step, instead of the last n-1 generated ones, so ``--no-repeat-ngram-size`` blocks
   nothing (fairseq issue 5206). It now sees the tokens generated so far, as the CUDA kernel does.
+* fairseq's batching leaves out the last batch of a split when its size is not a multiple of
+  ``--required-batch-size-multiple`` (8 by default; fairseq issue 5036): examples go missing
+  from fairseq-generate's output and BLEU, from validation and from training, without a word.
+  Nothing changes in the batches (a run resumed with the shim trains on the batches it trained
+  on before), but the loss is now said, once per split size, with the option that avoids it.
 * fairseq-train's ``main`` marks the run, so that the plugin's models know they are built for
   training (and compare the command line with the checkpoint being resumed, see
   ``models/resume_check.py``) and not for fairseq-generate or an analysis tool.
 """
 
+import logging
 import os
 import sys
 import types
@@ -40,6 +46,8 @@ import types
 import torch
 
 from . import checkpoint_files
+
+logger = logging.getLogger(__name__)
 
 _TRUSTED_LOAD_MARK = "_local_attn_fairseq_trusted_load"
 
@@ -226,6 +234,36 @@ def block_ngrams_of_generated_tokens():
         NGramRepeatBlock._no_repeat_ngram = _no_repeat_ngram_of_generated_tokens
 
 
+_original_batch_by_size = None  # fairseq's, set by the shim
+_dropped_batches_said = set()  # (sentences, left out, multiple): each said once
+
+
+def _batch_by_size_saying_what_it_leaves_out(indices, *args, **kwargs):
+    batches = _original_batch_by_size(indices, *args, **kwargs)
+    left_out = len(indices) - sum(len(batch) for batch in batches)
+    if left_out > 0:
+        multiple = kwargs.get("required_batch_size_multiple", args[4] if len(args) > 4 else 1)
+        said = (len(indices), left_out, multiple)
+        if said not in _dropped_batches_said:
+            _dropped_batches_said.add(said)
+            logger.warning(
+                f"fairseq leaves out {left_out} of {len(indices)} examples, its last batch (the "
+                f"last in its order, usually the longest), whose size is not a multiple of "
+                f"--required-batch-size-multiple {multiple}; pass --required-batch-size-multiple "
+                f"1 to keep every example"
+            )
+    return batches
+
+
+def say_what_batching_leaves_out():
+    global _original_batch_by_size
+    from fairseq.data import data_utils
+
+    if data_utils.batch_by_size is not _batch_by_size_saying_what_it_leaves_out:
+        _original_batch_by_size = data_utils.batch_by_size
+        data_utils.batch_by_size = _batch_by_size_saying_what_it_leaves_out
+
+
 _original_train_main = None  # fairseq's, set by the shim
 
 
@@ -251,5 +289,6 @@ def apply():
     mark_fairseq_train_runs()
     allow_cpu_pytorch_ddp()
     block_ngrams_of_generated_tokens()
+    say_what_batching_leaves_out()
     provide_sox_effects()
     provide_numpy_compat()

@@ -1,6 +1,7 @@
 """Each shim of local_attn_fairseq.compat, with the failure it prevents shown first."""
 
 import argparse
+import logging
 import os
 import pickle
 import shutil
@@ -215,3 +216,40 @@ def test_ngram_blocker_bans_repeats_of_the_generated_tokens_with_the_shim():
     assert _blocked_after(trigrams, [2, 5, 6, 7, 5, 6]) == {7}
     assert _blocked_after(trigrams, [2, 5, 6, 7, 6, 5]) == set()
     assert _blocked_after(bigrams, [2, 5, 6, 5], buffer_length=4) == {6}  # no padding at all
+
+
+def _batches(n, monkeypatch, **options):
+    from fairseq.data import data_utils
+
+    compat.apply()
+    monkeypatch.setattr(compat, "_dropped_batches_said", set())
+    return data_utils.batch_by_size(np.arange(n), lambda i: 5, **options)
+
+
+def test_fairseq_batching_leaves_out_a_last_batch_silently(caplog):
+    compat.apply()
+    caplog.set_level(logging.DEBUG)
+    batches = compat._original_batch_by_size(
+        np.arange(40), lambda i: 5, max_sentences=1, required_batch_size_multiple=8
+    )
+    assert sum(len(b) for b in batches) == 39
+    assert not caplog.records
+
+
+def test_what_batching_leaves_out_is_said_once_with_the_shim(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger=compat.__name__)
+    batches = _batches(40, monkeypatch, max_sentences=1, required_batch_size_multiple=8)
+    assert sum(len(b) for b in batches) == 39  # the batches are fairseq's
+    [record] = caplog.records
+    assert "leaves out 1 of 40 examples" in record.getMessage()
+    assert "--required-batch-size-multiple 1" in record.getMessage()
+    from fairseq.data import data_utils
+
+    data_utils.batch_by_size(np.arange(40), lambda i: 5, max_sentences=1,
+                             required_batch_size_multiple=8)  # fmt: skip
+    assert len(caplog.records) == 1  # said once
+    caplog.clear()
+    whole = _batches(40, monkeypatch, max_tokens=50, required_batch_size_multiple=8)
+    assert sum(map(len, whole)) == 40
+    assert sum(map(len, _batches(37, monkeypatch, max_sentences=1))) == 37
+    assert not caplog.records

@@ -490,6 +490,21 @@ def test_score_reference_gives_greedy_translations_their_scores(mt, family, tiny
         assert scored.positional[i][0] == pytest.approx(reference.positional[i][0], abs=2e-4)
 
 
+def test_a_left_out_last_batch_is_said(mt, monkeypatch):
+    """One sentence per batch under fairseq's default --required-batch-size-multiple 8: fairseq
+    leaves out the last batch, one sentence, and the plugin's shim says so (its translations are
+    fairseq's own)."""
+    from local_attn_fairseq import compat
+
+    monkeypatch.setattr(compat, "_dropped_batches_said", set())
+    with log_records(compat.__name__) as records:
+        decoded = fairseq_generate(mt.data_bin, mt.base("tied").checkpoint, "--gen-subset", "test",
+                                   "--max-len-b", 8, "--batch-size", 1, "--num-workers", 0,
+                                   "--beam", 1)  # fmt: skip
+    assert len(decoded.hypotheses) == TEST_SENTENCES - 1
+    assert [m for _, m in records if "leaves out 1 of 40 examples" in m], records
+
+
 # ---- fairseq-interactive ------------------------------------------------------------------------
 
 
