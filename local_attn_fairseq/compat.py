@@ -235,7 +235,7 @@ def block_ngrams_of_generated_tokens():
 
 
 _original_batch_by_size = None  # fairseq's, set by the shim
-_dropped_batches_said = set()  # (sentences, left out, multiple): each said once
+_dropped_batches_said = set()  # (examples, left out, multiple): each said once
 
 
 def _batch_by_size_saying_what_it_leaves_out(indices, *args, **kwargs):
