@@ -33,6 +33,9 @@ They are applied when the plugin is imported and are idempotent:
   from fairseq-generate's output and BLEU, from validation and from training, without a word.
   Nothing changes in the batches (a run resumed with the shim trains on the batches it trained
   on before), but the loss is now said, once per split size, with the option that avoids it.
+* fairseq-generate ``--print-alignment`` on ``speech_to_text`` crashes inside fairseq's aligning
+  generator (it expands the source as token ids; speech sources are filterbank frames) after the
+  model is loaded: it is now refused before decoding, with the reason.
 * fairseq-train's ``main`` marks the run, so that the plugin's models know they are built for
   training (and compare the command line with the checkpoint being resumed, see
   ``models/resume_check.py``) and not for fairseq-generate or an analysis tool.
@@ -264,6 +267,28 @@ def say_what_batching_leaves_out():
         data_utils.batch_by_size = _batch_by_size_saying_what_it_leaves_out
 
 
+_original_speech_build_generator = None  # fairseq's, set by the shim
+
+
+def _speech_generator_without_token_alignment(self, models, args, *rest, **kwargs):
+    if getattr(args, "print_alignment", None):
+        raise ValueError(
+            "--print-alignment aligns target tokens with source tokens, and a speech_to_text "
+            "source is filterbank frames: leave the option out (fairseq's aligning generator "
+            "cannot take speech input)"
+        )
+    return _original_speech_build_generator(self, models, args, *rest, **kwargs)
+
+
+def refuse_speech_alignment():
+    global _original_speech_build_generator
+    from fairseq.tasks.speech_to_text import SpeechToTextTask
+
+    if SpeechToTextTask.build_generator is not _speech_generator_without_token_alignment:
+        _original_speech_build_generator = SpeechToTextTask.build_generator
+        SpeechToTextTask.build_generator = _speech_generator_without_token_alignment
+
+
 _original_train_main = None  # fairseq's, set by the shim
 
 
@@ -290,5 +315,6 @@ def apply():
     allow_cpu_pytorch_ddp()
     block_ngrams_of_generated_tokens()
     say_what_batching_leaves_out()
+    refuse_speech_alignment()
     provide_sox_effects()
     provide_numpy_compat()

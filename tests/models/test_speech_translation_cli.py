@@ -11,6 +11,7 @@ from local_attn_fairseq.experiments.speech_pipeline import SCORING
 
 from ..conftest import USER_DIR, fairseq_cli
 from ..scripts.speech_corpus import SIZES, prepared
+from ..speech_data import asr_checkpoint, train_s2t
 
 # CPU-quick sizes of the plugin's tiny speech arch (6 encoder layers, the windows its default).
 TINY = (
@@ -92,3 +93,39 @@ def test_decoder_layerdrop_from_the_command_line(tmp_path, tmp_path_factory):
     stored = torch.load(checkpoint, map_location="cpu", weights_only=False)["cfg"]["model"]
     assert stored.decoder_layerdrop == 0.5
     generate(data, checkpoint, "asr")
+
+
+def test_print_alignment_is_refused_before_decoding(tmp_path_factory):
+    """fairseq's aligning generator expands the source as token ids and crashes on filterbank
+    frames (fairseq's own s2t_transformer too); the plugin refuses the option with the reason."""
+    data, checkpoint = asr_checkpoint(tmp_path_factory)
+    proc = fairseq_cli(
+        "fairseq-generate", data, "--user-dir", USER_DIR, "--path", checkpoint, *GENERATE,
+        "--config-yaml", "config_asr.yaml", "--gen-subset", "dev_asr", "--print-alignment",
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "--print-alignment aligns target tokens with source tokens" in proc.stderr
+    assert "expand" not in proc.stderr  # not fairseq's crash
+
+
+def test_encoder_freezing_updates_leave_the_encoder_as_initialised(tmp_path, tmp_path_factory):
+    """fairseq's --encoder-freezing-updates N: the encoder keeps its initial weights for N
+    updates while the decoder trains (an Adam step of lr 1e-30 stands for no step)."""
+    data, _ = asr_checkpoint(tmp_path_factory)
+
+    def trained(name, *extra):
+        train_s2t(data, tmp_path / name, "asr", *extra)
+        state = torch.load(tmp_path / name / "checkpoint_last.pt", map_location="cpu",
+                           weights_only=False)["model"]  # fmt: skip
+        return {k: v for k, v in state.items() if v.is_floating_point()}
+
+    initial = trained("initial", "--lr", "1e-30")
+    frozen = trained("frozen", "--encoder-freezing-updates", "2")
+    free = trained("free")
+    encoder = [k for k in initial if k.startswith("encoder.")]
+    decoder = [k for k in initial if k.startswith("decoder.")]
+    for name in encoder:
+        torch.testing.assert_close(frozen[name], initial[name], atol=1e-12, rtol=0, msg=name)
+    assert any(not torch.allclose(frozen[k], initial[k], atol=1e-6) for k in decoder)
+    assert any(not torch.allclose(free[k], initial[k], atol=1e-6) for k in encoder)
