@@ -36,6 +36,11 @@ They are applied when the plugin is imported and are idempotent:
 * fairseq-generate ``--print-alignment`` on ``speech_to_text`` crashes inside fairseq's aligning
   generator (it expands the source as token ids; speech sources are filterbank frames) after the
   model is loaded: it is now refused before decoding, with the reason.
+* fairseq's S2T hub interface (``S2TTransformerModel.from_pretrained(...).predict(audio)``)
+  with utterance-CMVN filterbanks calls a tensor method on a numpy array for an audio file and
+  takes the feature count for the length of a waveform tensor: it fails for every model. It now
+  computes the features as ``data/mustc.py`` prepared them for training (mono, 16 kHz, Kaldi
+  filterbanks of 16-bit amplitudes, utterance CMVN) from a file or from float samples.
 * fairseq-train's ``main`` marks the run, so that the plugin's models know they are built for
   training (and compare the command line with the checkpoint being resumed, see
   ``models/resume_check.py``) and not for fairseq-generate or an analysis tool.
@@ -289,6 +294,41 @@ def refuse_speech_alignment():
         SpeechToTextTask.build_generator = _speech_generator_without_token_alignment
 
 
+_original_speech_hub_input = None  # fairseq's, set by the shim
+UTTERANCE_CMVN_HUB_INPUT = "fbank80_w_utt_cmvn"  # the hub input_type of data/mustc.py's configs
+
+
+def _speech_hub_input(cls, task, audio):
+    """The hub's model input for one utterance: an audio file's path, or a tensor of float
+    samples in [-1, 1] at 16 kHz (mono)."""
+    if task.data_cfg.hub.get("input_type") != UTTERANCE_CMVN_HUB_INPUT:
+        return _original_speech_hub_input(task, audio)
+    from fairseq.data.audio.feature_transforms.utterance_cmvn import UtteranceCMVN
+
+    from .data.mustc import log_mel_fbank, read_talk_audio
+
+    samples = read_talk_audio(audio)[0] if isinstance(audio, str) else audio.reshape(-1).numpy()
+    features = torch.from_numpy(UtteranceCMVN()(log_mel_fbank(samples)))
+    return {
+        "net_input": {
+            "src_tokens": features.unsqueeze(0),
+            "src_lengths": torch.tensor([features.size(0)]),
+            "prev_output_tokens": None,
+        },
+        "target_lengths": None,
+        "speaker": None,
+    }
+
+
+def read_speech_hub_input_as_prepared():
+    global _original_speech_hub_input
+    from fairseq.models.speech_to_text.hub_interface import S2THubInterface
+
+    if S2THubInterface.get_model_input.__func__ is not _speech_hub_input:
+        _original_speech_hub_input = S2THubInterface.get_model_input
+        S2THubInterface.get_model_input = classmethod(_speech_hub_input)
+
+
 _original_train_main = None  # fairseq's, set by the shim
 
 
@@ -316,5 +356,6 @@ def apply():
     block_ngrams_of_generated_tokens()
     say_what_batching_leaves_out()
     refuse_speech_alignment()
+    read_speech_hub_input_as_prepared()
     provide_sox_effects()
     provide_numpy_compat()

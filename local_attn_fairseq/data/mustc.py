@@ -419,6 +419,10 @@ def data_config(spm_prefix, cmvn, specaugment, waveform_input):
         transforms["_train"] = [f"{cmvn}_cmvn", "specaugment"]
         config["specaugment"] = dict(zip(SPECAUGMENT_KEYS, SPECAUGMENT_POLICIES[specaugment]))
     config["feature_transforms"] = transforms
+    if cmvn == "utterance":
+        # fairseq's S2T hub interface (S2TTransformerModel.from_pretrained(...).predict(wav))
+        # computes these very features from an audio file: Kaldi filterbanks, utterance CMVN
+        config["hub"] = {"input_type": "fbank80_w_utt_cmvn"}
     if cmvn == "global":
         # read by the transform itself, which does not resolve relative paths
         config["global_cmvn"] = {

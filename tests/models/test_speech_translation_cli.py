@@ -129,3 +129,55 @@ def test_encoder_freezing_updates_leave_the_encoder_as_initialised(tmp_path, tmp
         torch.testing.assert_close(frozen[name], initial[name], atol=1e-12, rtol=0, msg=name)
     assert any(not torch.allclose(frozen[k], initial[k], atol=1e-6) for k in decoder)
     assert any(not torch.allclose(free[k], initial[k], atol=1e-6) for k in encoder)
+
+
+def test_hub_interface_predicts_from_a_wav_with_the_training_features(tmp_path, tmp_path_factory):
+    """fairseq's S2T hub interface on a model trained on utterance-CMVN filterbanks: from one
+    segment cut out of its talk wav it computes the features the manifest holds for that
+    segment, and its prediction is fairseq-generate's (beam 2)."""
+    import soundfile as sf
+    from fairseq.data.audio.audio_utils import get_features_or_waveform
+    from fairseq.data.audio.feature_transforms.utterance_cmvn import UtteranceCMVN
+    from fairseq.models.speech_to_text import S2TTransformerModel
+    from fairseq.models.speech_to_text.hub_interface import S2THubInterface
+
+    from ..scripts.speech_corpus import read_split, run_script, split_dir, synthetic_corpus
+
+    corpus = synthetic_corpus(tmp_path_factory)
+    data = tmp_path / "data"
+    run_script("prepare_mustc.py", "--mustc-root", corpus, "--lang", "de", "--out-dir", data,
+               "--vocab-size", 120, "--audio-format", "fbank", "--cmvn", "utterance")  # fmt: skip
+    train(data, tmp_path / "asr", "asr", *LOCAL_WINDOWS)
+    checkpoint = tmp_path / "asr" / "checkpoint_last.pt"
+
+    segments, _ = read_split(corpus, "tst-COMMON")
+    first = segments[0]
+    audio, rate = sf.read(split_dir(corpus, "tst-COMMON") / "wav" / first["wav"], dtype="int16")
+    start, n = round(float(first["offset"]) * rate), round(float(first["duration"]) * rate)
+    wav = tmp_path / "segment.wav"
+    sf.write(wav, audio[start : start + n], rate, subtype="PCM_16")
+    manifest = (data / "tst-COMMON_asr.tsv").read_text("utf-8").splitlines()
+    header = manifest[0].split("\t")
+    rows = [dict(zip(header, line.split("\t"))) for line in manifest[1:]]
+    talk = first["wav"].rsplit(".", 1)[0]
+    [row] = [r for r in rows if r["id"] == f"{talk}_0"]  # the talk's first segment by offset
+
+    hub = S2TTransformerModel.from_pretrained(
+        str(checkpoint.parent), checkpoint_file=checkpoint.name, data_name_or_path=str(data),
+        config_yaml="config_asr.yaml", beam=2, max_len_b=8,  # GENERATE's search
+    )  # fmt: skip
+    features = S2THubInterface.get_model_input(hub.task, str(wav))["net_input"]["src_tokens"][0]
+    expected = UtteranceCMVN()(get_features_or_waveform(str(data / row["audio"])))
+    torch.testing.assert_close(features, torch.from_numpy(expected), atol=1e-4, rtol=1e-4)
+    samples = torch.from_numpy(audio[start : start + n] / 2**15).float()  # float samples too
+    from_samples = S2THubInterface.get_model_input(hub.task, samples)["net_input"]
+    torch.testing.assert_close(from_samples["src_tokens"][0], features, atol=1e-4, rtol=1e-4)
+    assert from_samples["src_lengths"].tolist() == [features.size(0)]
+
+    decoded = fairseq_cli(
+        "fairseq-generate", data, "--user-dir", USER_DIR, "--path", checkpoint, *GENERATE,
+        "--config-yaml", "config_asr.yaml", "--gen-subset", "tst-COMMON_asr",
+    ).stdout  # fmt: skip
+    index = rows.index(row)
+    [line] = [x for x in decoded.splitlines() if x.startswith(f"D-{index}\t")]
+    assert hub.predict(str(wav)) == line.split("\t")[2]
