@@ -4,20 +4,40 @@ The layers change nothing but which attention module they build; the stacks tell
 index and its heads' locality, then bind the Wq/Wk that heads borrow across layers.
 """
 
+import torch
 from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase
 from fairseq.modules.transformer_layer import (
     TransformerDecoderLayerBase,
     TransformerEncoderLayerBase,
 )
+from torch import nn
 
 from ..locality.spec import LocalitySpec
 from .local_multihead_attention import LocalMultiheadAttention
 
 
+def refuse_foreign_attention_options(cfg):
+    """Options of fairseq's MultiheadAttention that the plugin's attention cannot honour: refused
+    by name rather than ignored."""
+    if cfg.quant_noise.pq > 0:
+        # fairseq's quant noise is a forward hook on each projection; the plugin's attention
+        # reads the projection weights directly (one call for Q, K and V), so no hook would run.
+        raise ValueError(
+            "--quant-noise-pq: quantization noise is not supported by the plugin's attention "
+            "layers (it would leave their projections without noise); leave the option out"
+        )
+    for side in ("encoder", "decoder"):
+        if getattr(getattr(cfg, side), "xformers_att_config", None):
+            raise ValueError(
+                f"--{side}-xformers-att-config: the plugin's attention layers compute attention "
+                "themselves (head masks, banded kernel, localness, windows, gates) and cannot run "
+                "xFormers' attention; leave the option out"
+            )
+
+
 def local_attention(cfg, locality: LocalitySpec, attn_type: str, layer_index: int, **kwargs):
     """The attention module of one layer, configured by what the spec says of it."""
-    if cfg.quant_noise.pq > 0:
-        raise ValueError("--quant-noise-pq is not supported with local attention layers")
+    refuse_foreign_attention_options(cfg)
     group = cfg.encoder if attn_type == "encoder_self" else cfg.decoder
     return LocalMultiheadAttention(
         group.embed_dim,
@@ -54,6 +74,11 @@ class LocalTransformerDecoderLayer(TransformerDecoderLayerBase):
     ):
         self.locality, self.layer_index = locality, layer_index
         super().__init__(cfg, no_encoder_attn=no_encoder_attn, **kwargs)
+        if self.c_attn is not None and self.nh * self.head_dim != self.embed_dim:
+            # NormFormer's head scales (--scale-heads) act on the self-attention output after
+            # out_proj, in chunks of head_dim: one per head of the unpruned layer, pruned or not.
+            self.nh = self.embed_dim // self.head_dim
+            self.c_attn = nn.Parameter(torch.ones(self.nh))
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
         if add_bias_kv or add_zero_attn:
@@ -134,6 +159,14 @@ class LocalTransformerDecoder(TransformerDecoderBase):
         no_encoder_attn=False,
         output_projection=None,
     ):
+        if getattr(cfg, "base_layers", 0):
+            # fairseq inserts its BASE layers among the decoder's layers, which would shift the
+            # layer numbers the locality spec, the Wq/Wk ties and layers_to_keep count by.
+            raise ValueError(
+                "--base-layers: BASE layers are not supported in the plugin's decoders (they "
+                "would renumber the layers that the locality spec and Wq/Wk ties refer to); "
+                "leave the option out"
+            )
         self.locality = locality
         self._layers_built = 0
         super().__init__(

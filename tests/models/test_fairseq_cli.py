@@ -180,3 +180,64 @@ def test_dynwin_without_cross_attention_keeps_its_self_attention_windows(tiny_da
         *(f"decoder.layers.{i}.self_attn" for i in range(2)),
     }
     assert not any("encoder_attn" in k for k in state["model"])
+
+
+# Options of fairseq's attention layer and decoder stack that the plugin's models cannot honour.
+FOREIGN_ATTENTION_OPTIONS = [
+    (["--quant-noise-pq", "0.1"], "--quant-noise-pq: quantization noise is not supported"),
+    (["--encoder-xformers-att-config", '{"name": "scaled_dot_product"}'],
+     "--encoder-xformers-att-config: the plugin's attention layers compute attention themselves"),
+    (["--decoder-xformers-att-config", '{"name": "scaled_dot_product"}'],
+     "--decoder-xformers-att-config: the plugin's attention layers compute attention themselves"),
+    (["--base-layers", "1"], "--base-layers: BASE layers are not supported in the plugin's decoders"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["transformer_local_tied", "transformer_localness", "transformer_dynwin"])
+@pytest.mark.parametrize("options,message", FOREIGN_ATTENTION_OPTIONS)
+def test_foreign_attention_options_are_refused(tiny_data, tmp_path, arch, options, message):
+    """Quantization noise and xFormers' attention would be silently skipped by the plugin's
+    attention, BASE layers would renumber the layers its spec refers to: fairseq-train stops
+    before training, naming the option."""
+    proc = fairseq_cli(
+        "fairseq-train", tiny_data / "bin", "--user-dir", USER_DIR, "--arch", arch, *TINY_MODEL,
+        *TRAIN, "--max-update", 2, "--save-dir", tmp_path / "ckpt", *options, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "begin training" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
+
+
+def test_quant_noise_trains_fairseqs_own_transformer(tiny_data, tmp_path):
+    """The control: the option works with fairseq's transformer, so the refusal is the plugin's."""
+    train_tiny(tiny_data, tmp_path, "--quant-noise-pq", "0.1", arch="transformer")
+    assert (tmp_path / "checkpoint_last.pt").exists()
+
+
+def test_cross_self_attention_trains_and_decodes_with_local_encoders(tiny_data, tmp_path):
+    """--cross-self-attention (the decoder's self-attention also attends to the source) with a
+    local encoder and gated decoder heads: trains, generates, and decodes step by step as the
+    full pass does."""
+    options = ["--cross-self-attention", "--head-gates", "dec"]
+    train_tiny(tiny_data, tmp_path, *options, arch="transformer_local_tied")
+    generate(tiny_data, tmp_path / "checkpoint_last.pt")
+    model, task, _ = build_model(
+        tiny_data / "bin", "transformer_local_tied", *TINY_MODEL, *options
+    )
+    assert_incremental_decoding_matches_full_forward(model, task)
+
+
+@pytest.mark.parametrize(
+    "arch,options",
+    [
+        ("transformer_dynwin", []),
+        ("transformer_local", ["--localness-layers", "decoder_self:0"]),
+        ("transformer_local", ["--locality-config", DECODER_LOCAL]),
+    ],
+)
+def test_cross_self_attention_is_refused_with_positional_decoder_heads(tiny_data, arch, options):
+    """Prepending the source to the decoder's keys would shift the positions that windows,
+    localness and head masks of decoder self-attention are defined on."""
+    with pytest.raises(ValueError, match="--cross-self-attention prepends the source"):
+        build_model(tiny_data / "bin", arch, *TINY_MODEL, "--cross-self-attention", *options)

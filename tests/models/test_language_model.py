@@ -11,6 +11,7 @@ from fairseq.data import Dictionary
 from fairseq.dataclass.configs import GenerationConfig
 
 from local_attn_fairseq.locality.spec import LocalitySpecError
+from local_attn_fairseq.modules.head_pruning import prune_checkpoint
 
 from ..conftest import USER_DIR, fairseq_cli
 from .helpers import build_model
@@ -217,3 +218,48 @@ def test_decoder_post_norm_gives_vaswani_et_als_layer_order(lm_data):
     pre, _ = build_lm(lm_data, "transformer_lm_local_tiny")
     assert all(layer.normalize_before for layer in pre.decoder.layers)
     assert pre.decoder.layer_norm is not None
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (["--quant-noise-pq", "0.1"], "--quant-noise-pq: quantization noise is not supported"),
+        (["--decoder-xformers-att-config", '{"name": "scaled_dot_product"}'],
+         "--decoder-xformers-att-config: the plugin's attention layers compute attention"),
+        (["--base-layers", "1"], "--base-layers: BASE layers are not supported"),
+    ],
+)  # fmt: skip
+def test_foreign_attention_options_are_refused(lm_data, options, message):
+    for arch in ("transformer_lm_local_tiny", "transformer_lm_dynwin_tiny"):
+        with pytest.raises(ValueError, match=message):
+            build_lm(lm_data, arch, *options)
+
+
+def test_normformer_head_scales_survive_head_pruning(lm_data, tmp_path):
+    """NormFormer's --scale-heads (a scale per head_dim chunk of the self-attention output) and
+    --scale-attn on an LM with Voita et al.'s gates: the checkpoint with closed heads pruned
+    out computes what the gated one computes."""
+    fairseq_cli(
+        "fairseq-train", lm_data, "--user-dir", USER_DIR, "--arch", "transformer_lm_local",
+        *LM_TINY, *LM_TRAIN, "--decoder-layers", 2, "--head-gates", "dec", "--scale-heads",
+        "--scale-attn", "--criterion", "label_smoothed_cross_entropy_l0", "--save-dir", tmp_path,
+    )  # fmt: skip
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=False)
+    torch.manual_seed(0)
+    for layer, closed in enumerate([[0, 5], [1, 2, 3, 7]]):
+        log_alpha = state["model"][f"decoder.layers.{layer}.self_attn.head_gates.log_alpha"]
+        log_alpha.fill_(1.0)
+        log_alpha[closed] = -1.0
+        state["model"][f"decoder.layers.{layer}.c_attn"].uniform_(0.5, 1.5)
+    torch.save(state, tmp_path / "gated.pt")
+    prune_checkpoint(str(tmp_path / "gated.pt"), str(tmp_path / "pruned.pt"))
+
+    tokens = torch.randint(4, 50, (3, 9))
+    outputs = []
+    for name in ("gated.pt", "pruned.pt"):
+        models, _ = checkpoint_utils.load_model_ensemble([str(tmp_path / name)])
+        model = models[0].eval()
+        outputs.append(model(tokens)[0])
+        heads = [layer.self_attn.num_heads for layer in model.decoder.layers]
+    assert heads == [6, 4]  # the pruned model's
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
