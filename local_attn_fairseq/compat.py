@@ -33,6 +33,10 @@ They are applied when the plugin is imported and are idempotent:
   from fairseq-generate's output and BLEU, from validation and from training, without a word.
   Nothing changes in the batches (a run resumed with the shim trains on the batches it trained
   on before), but the loss is now said, once per split size, with the option that avoids it.
+* fairseq-eval-lm skips every block longer than the model's maximum positions (with a warning)
+  and, when that leaves nothing, prints loss 0 and perplexity 1 over no token (for instance its
+  default ``--tokens-per-sample 1024`` against a model trained on blocks of 512). An evaluation
+  of no token now ends in an error naming the option to change.
 * fairseq-generate ``--print-alignment`` on ``speech_to_text`` crashes inside fairseq's aligning
   generator (it expands the source as token ids; speech sources are filterbank frames) after the
   model is loaded: it is now refused before decoding, with the reason.
@@ -272,6 +276,39 @@ def say_what_batching_leaves_out():
         data_utils.batch_by_size = _batch_by_size_saying_what_it_leaves_out
 
 
+_original_eval_lm = None  # fairseq's, set by the shim
+
+
+def _eval_lm_refusing_an_empty_evaluation(models, source_dictionary, batch_iterator, *a, **kw):
+    batches = 0
+
+    def counted():
+        nonlocal batches
+        for sample in batch_iterator:
+            batches += "net_input" in sample
+            yield sample
+
+    results = _original_eval_lm(models, source_dictionary, counted(), *a, **kw)
+    if batches == 0:
+        # fairseq would print loss 0 and perplexity 1 over nothing.
+        raise ValueError(
+            "fairseq-eval-lm evaluated no token: the split is empty, or fairseq left out each "
+            "of its blocks as longer than the model's maximum positions (its warning above says "
+            "how many); pass a --tokens-per-sample of at most the model's "
+            "--max-target-positions (--context-window keeps each token's context)"
+        )
+    return results
+
+
+def refuse_empty_lm_evaluations():
+    global _original_eval_lm
+    from fairseq_cli import eval_lm
+
+    if eval_lm.eval_lm is not _eval_lm_refusing_an_empty_evaluation:
+        _original_eval_lm = eval_lm.eval_lm
+        eval_lm.eval_lm = _eval_lm_refusing_an_empty_evaluation
+
+
 _original_speech_build_generator = None  # fairseq's, set by the shim
 
 
@@ -355,6 +392,7 @@ def apply():
     allow_cpu_pytorch_ddp()
     block_ngrams_of_generated_tokens()
     say_what_batching_leaves_out()
+    refuse_empty_lm_evaluations()
     refuse_speech_alignment()
     read_speech_hub_input_as_prepared()
     provide_sox_effects()

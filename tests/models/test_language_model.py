@@ -10,6 +10,7 @@ from fairseq import checkpoint_utils, tasks
 from fairseq.data import Dictionary
 from fairseq.dataclass.configs import GenerationConfig
 
+from local_attn_fairseq import compat
 from local_attn_fairseq.locality.spec import LocalitySpecError
 from local_attn_fairseq.modules.head_pruning import prune_checkpoint
 
@@ -89,6 +90,34 @@ def test_fairseq_eval_lm_reports_perplexity(lm_data, trained_lm):
     vocab = len(Dictionary.load(str(lm_data / "dict.txt")))
     # two updates from a random start: finite, and no better than a little below uniform
     assert 1 < float(found.group(1)) < 2 * vocab
+
+
+def eval_lm_with_default_blocks(lm_data, trained_lm):
+    """fairseq-eval-lm with its default --tokens-per-sample (1024) on a model trained on blocks
+    of 64: the test split's one block of ~300 tokens is longer than the model's positions."""
+    return fairseq_cli(
+        "fairseq-eval-lm", lm_data, "--user-dir", USER_DIR, "--path", trained_lm,
+        "--gen-subset", "test", "--num-workers", 0, check=False,
+    )  # fmt: skip
+
+
+def test_fairseq_eval_lm_reports_perplexity_1_over_no_token(lm_data, trained_lm, monkeypatch):
+    from fairseq_cli import eval_lm
+
+    monkeypatch.setattr(eval_lm, "eval_lm", compat._original_eval_lm)
+    proc = eval_lm_with_default_blocks(lm_data, trained_lm)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0
+    assert "1 samples have invalid sizes and will be skipped, max_positions=64" in log
+    assert "Evaluated 0 tokens" in log and "Perplexity: 1.00" in log
+
+
+def test_an_evaluation_of_no_token_is_an_error_naming_the_option(lm_data, trained_lm):
+    proc = eval_lm_with_default_blocks(lm_data, trained_lm)
+    assert proc.returncode != 0
+    assert "fairseq-eval-lm evaluated no token" in proc.stderr
+    assert "--tokens-per-sample of at most the model's --max-target-positions" in proc.stderr
+    assert "Perplexity" not in proc.stdout + proc.stderr
 
 
 def test_checkpoint_describes_itself(trained_lm):
