@@ -198,21 +198,23 @@ def report(facts, sizes, settings, asr, arms, cost, image):
         "convention, 2i; w: the chosen window, 0 = global) and the CCD of every encoder (ST: "
         "mean over seeds):",
         "",
-        "| layer | mu ± sigma | w | CL | CCD ASR | " + " | ".join(f"CCD {ARMS[a]}" for a in arms)
-        + " |",
+        "| layer | mu ± sigma | w | CL | CCD ASR |" + "".join(f" CCD {ARMS[a]} |" for a in arms),
         "|---:|---:|---:|---:|---:|" + "---:|" * len(arms),
     ]
     for i, layer in enumerate(asr["contributions"]):
         lines.append(
             f"| {i + 1} | {layer['window_mean']:.2f} ± {layer['window_std']:.2f} | "
             f"{window_list(asr['chosen_windows'])[i]} | {layer['contribution_loss_mean']:.2f} | "
-            f"{asr['ccd'][i]:.3f} | " + " | ".join(f"{s['ccd'][i]:.3f}" for s in arms.values())
-            + " |"
+            f"{asr['ccd'][i]:.3f} |" + "".join(f" {s['ccd'][i]:.3f} |" for s in arms.values())
         )
     lines += [""]
     if cost:
         lines += cost_lines(cost)
-    lines += ["The claim and the targets:", "", *claims_table(verdicts(asr, arms, cost)), ""]
+    rows = verdicts(asr, arms, cost)
+    if rows:
+        lines += ["The claim and the targets:", "", *claims_table(rows), ""]
+    else:
+        lines += ["The claim is judged once both ST arms have a run recorded.", ""]
     lines += [
         f"![Validation loss of the ASR and ST runs against updates and training time]"
         f"(images/{image})",

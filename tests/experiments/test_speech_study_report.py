@@ -76,3 +76,46 @@ def test_the_shuffled_audio_level_is_reported_beside_the_test_score():
     old = {arm: report.summarise_arm([st_record(arm, 1, 9.0, [0.9])])
            for arm in ("global", "local")}  # fmt: skip
     assert report.verdicts({"ccd": [0.8]}, old, None)[1][1] == "BLEU 9.00"
+
+
+def asr_record():
+    layers = [{"window_mean": 1.0, "window_std": 0.5, "contribution_loss_mean": 0.3}] * 2
+    return {"score": 38.5, "updates_to_convergence": 15000, "converged": False, "ccd": [0.9, 0.95],
+            "contributions": layers, "chosen_windows": "0,13"}  # fmt: skip
+
+
+def rendered(arms):
+    from types import SimpleNamespace
+
+    split = {"utterances": 10, "hours": 0.1, "speakers": ["a"]}
+    facts = {"train": dict(split, speakers=["b"]), "dev": split, "tst-COMMON": split}
+    sizes = SimpleNamespace(max_words=25, model_dim=128, vocab=1000, asr_max_update=15000,
+                            st_max_update=12000)  # fmt: skip
+    settings = {"patience": 3, "command": "speech_study.py", "machine": "2 CPU cores",
+                "training_hours": 1.0}  # fmt: skip
+    return report.report(facts, sizes, settings, asr_record(), arms, None, "curves.png")
+
+
+def tables(markdown):
+    """Each Markdown table of the text as a list of its rows' cell counts."""
+    found, current = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line.strip().strip("|").count("|") + 1)
+        elif current:
+            found.append(current)
+            current = []
+    return found
+
+
+@pytest.mark.parametrize("arms", [(), ("global",), ("global", "local")])
+def test_every_table_of_the_report_is_well_formed_as_runs_arrive(arms):
+    """With the ASR run alone, then one ST arm, then both: every row of a table has the
+    header's columns, and the claims table appears only with rows to show."""
+    summaries = {arm: report.summarise_arm([st_record(arm, 1, 8.0, [0.97, 0.99])]) for arm in arms}
+    markdown = rendered(summaries)
+    shapes = tables(markdown)
+    assert shapes and all(len(set(shape)) == 1 and len(shape) > 2 for shape in shapes), shapes
+    assert ("| claim | measured | verdict |" in markdown) == (len(arms) == 2)
+    if len(arms) < 2:
+        assert "The claim is judged once both ST arms have a run recorded." in markdown
