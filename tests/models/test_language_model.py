@@ -3,6 +3,7 @@ fairseq-eval-lm, the sequence generator's incremental decoding, and the stored s
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -292,3 +293,40 @@ def test_normformer_head_scales_survive_head_pruning(lm_data, tmp_path):
         heads = [layer.self_attn.num_heads for layer in model.decoder.layers]
     assert heads == [6, 4]  # the pruned model's
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_fairseq_generate_fuses_a_plugin_lm_into_a_plugin_translation_model(
+    tiny_data, trained_checkpoint, tmp_path
+):
+    """Shallow fusion (fairseq-generate --lm-path --lm-weight): a translation model with local
+    encoder heads and a language model with Gaussian localness, both decoding step by step in
+    the beam. fairseq reads the LM's dictionary as dict.txt from the translation data, so the LM
+    is trained on the target side with the translation's target dictionary."""
+    small, mt = tiny_data / "small", tmp_path / "mt"
+    shutil.copytree(tiny_data / "bin", mt)
+    shutil.copy(mt / "dict.en.txt", mt / "dict.txt")
+    fairseq_cli(
+        "fairseq-preprocess", "--only-source", "--trainpref", small / "train.en",
+        "--validpref", small / "valid.en", "--srcdict", mt / "dict.en.txt",
+        "--destdir", tmp_path / "lm-bin", "--workers", 1,
+    )  # fmt: skip
+    fairseq_cli(
+        "fairseq-train", tmp_path / "lm-bin", "--user-dir", USER_DIR, "--arch",
+        "transformer_lm_local_tiny", *LM_TINY, *LM_TRAIN, "--localness-layers", "decoder_self:0",
+        "--save-dir", tmp_path / "lm",
+    )  # fmt: skip
+
+    def hypotheses(*fusion):
+        proc = fairseq_cli(
+            "fairseq-generate", mt, "--user-dir", USER_DIR, "--path", trained_checkpoint,
+            "--gen-subset", "test", "--beam", 3, "--max-len-b", 8, "--batch-size", 40,
+            "--required-batch-size-multiple", 1, "--num-workers", 0, *fusion,
+        )  # fmt: skip
+        found = sorted(line for line in proc.stdout.splitlines() if line.startswith("H-"))
+        assert len(found) == 40, proc.stdout[-2000:]
+        return found
+
+    lm = ["--lm-path", tmp_path / "lm" / "checkpoint_last.pt"]
+    alone = hypotheses()
+    assert hypotheses(*lm, "--lm-weight", 0) == alone  # the LM runs, and adds nothing
+    assert hypotheses(*lm, "--lm-weight", 0.5) != alone
