@@ -466,28 +466,66 @@ def test_no_repeat_ngram_size(mt, family):
         assert len(bigrams) == len(set(bigrams)), hypo
 
 
-def test_score_reference_gives_greedy_translations_their_scores(mt, family, tiny_data, tmp_path):
-    """--score-reference scores a given target with one full forward pass of the decoder; given
-    each sentence's greedy translation as its target, it must find the scores that greedy search
-    found one token at a time (incremental decoding)."""
-    reference = greedy(mt, family)
-    raw, dest = tmp_path / "raw", tmp_path / "bin"
-    raw.mkdir()
+def score_as_references(mt, decoded, checkpoints, tiny_data, folder) -> Decoded:
+    """``--score-reference`` of the first hypothesis of every test sentence, binarised as the
+    target side with the corpus's dictionaries, by the model or ensemble ``checkpoints``."""
+    raw, dest = folder / "raw", folder / "bin"
+    raw.mkdir(parents=True)
     with open(tiny_data / "small" / "test.de", encoding="utf-8") as f:
         (raw / "test.de").write_text(f.read(), encoding="utf-8")
-    best = reference.best()
+    best = decoded.best()
     translations = "".join(" ".join(tokens(best[i])) + "\n" for i in range(TEST_SENTENCES))
     (raw / "test.en").write_text(translations, encoding="utf-8")
     fairseq_preprocess("--source-lang", "de", "--target-lang", "en", "--testpref", raw / "test",
                        "--destdir", dest, "--srcdict", mt.data_bin / "dict.de.txt",
                        "--tgtdict", mt.data_bin / "dict.en.txt", "--workers", 1)  # fmt: skip
-    scored = fairseq_generate(dest, mt.base(family).checkpoint, *DECODE, "--score-reference")
+    scored = fairseq_generate(dest, checkpoints, *DECODE, "--score-reference")
     assert_one_hypothesis_per_sentence(scored)
     assert scored.best() == best
+    return scored
+
+
+def assert_scored_as_decoded(scored, decoded):
     for i in range(TEST_SENTENCES):
-        assert scored.hypotheses[i][0][0] == pytest.approx(reference.hypotheses[i][0][0], abs=1e-4)
+        assert scored.hypotheses[i][0][0] == pytest.approx(decoded.hypotheses[i][0][0], abs=1e-4)
         # token scores are printed to four decimals
-        assert scored.positional[i][0] == pytest.approx(reference.positional[i][0], abs=2e-4)
+        assert scored.positional[i][0] == pytest.approx(decoded.positional[i][0], abs=2e-4)
+
+
+def test_score_reference_gives_greedy_translations_their_scores(mt, family, tiny_data, tmp_path):
+    """--score-reference scores a given target with one full forward pass of the decoder; given
+    each sentence's greedy translation as its target, it must find the scores that greedy search
+    found one token at a time (incremental decoding)."""
+    reference = greedy(mt, family)
+    scored = score_as_references(mt, reference, mt.base(family).checkpoint, tiny_data, tmp_path)
+    assert_scored_as_decoded(scored, reference)
+
+
+def test_ensemble(mt, family, tiny_data, tmp_path):
+    """``--path a.pt:b.pt:c.pt``: the family's model, a second seed of it (a model of the same
+    modules, whose caches and incremental states must stay its own) and fairseq's transformer.
+    Greedy search with the ensemble gives each token the log of the models' mean probability:
+    the token scores of each model's --score-reference of the ensemble's translations, averaged
+    as probabilities, and the ensemble's own --score-reference (one full forward pass of every
+    decoder) gives the scores that search found one token at a time."""
+    models = [mt.base(family), mt.train(family, *mt.base_options, "--seed", 2),
+              mt.base("transformer")]  # fmt: skip
+    checkpoints = [str(run.checkpoint) for run in models]
+    ensemble = fairseq_generate(mt.data_bin, ":".join(checkpoints), *DECODE, "--beam", 1)
+    assert_one_hypothesis_per_sentence(ensemble)
+    assert ensemble.scores() != greedy(mt, family).scores()  # the other models count
+    scored = score_as_references(mt, ensemble, ":".join(checkpoints), tiny_data, tmp_path / "all")
+    assert_scored_as_decoded(scored, ensemble)
+    alone = [
+        score_as_references(mt, ensemble, checkpoint, tiny_data, tmp_path / f"model{m}")
+        for m, checkpoint in enumerate(checkpoints)
+    ]
+    for i in range(TEST_SENTENCES):
+        # fairseq prints log-probabilities in base 2
+        per_model = torch.tensor([scored_alone.positional[i][0] for scored_alone in alone])
+        mean_probability = torch.logsumexp(per_model * math.log(2), dim=0) - math.log(len(models))
+        expected = (mean_probability / math.log(2)).tolist()
+        assert ensemble.positional[i][0] == pytest.approx(expected, abs=5e-4)
 
 
 def test_a_left_out_last_batch_is_said(mt, monkeypatch):
