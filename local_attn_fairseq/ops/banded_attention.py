@@ -19,7 +19,6 @@ import functools
 import importlib
 import math
 import operator
-import os
 import warnings
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 from . import banded_reference
 from .blocked_sdpa import blocked_sdpa_output
+from .environment import environment_value
 
 IMPL_ENV = "LOCAL_ATTN_BANDED_IMPL"
 ROUTES = ("auto", "extension", "torch", "sdpa", "tensor-core")
@@ -143,7 +143,7 @@ MEASURED_GPU_PREFERENCES: Tuple[GpuPreference, ...] = (
 
 def requested_route() -> str:
     """The value of LOCAL_ATTN_BANDED_IMPL, checked."""
-    choice = os.environ.get(IMPL_ENV, "auto") or "auto"
+    choice = environment_value(IMPL_ENV) or "auto"
     if choice not in ROUTES:
         raise ValueError(
             f"{IMPL_ENV}={choice!r} is not a route of banded_attention: use one of "
@@ -529,7 +529,7 @@ def _all_finite(v: torch.Tensor) -> bool:
     reduction and one scalar read (torch.isfinite is several operations on the CPU, and on a
     GPU either form waits for the device once)."""
     in_place = _ExtensionState.all_finite
-    if in_place is not None and v.device.type == "cpu" and not torch.compiler.is_compiling():
+    if in_place is not None and v.is_cpu and not torch.compiler.is_compiling():
         return in_place(v)
     return math.isfinite(v.sum(dtype=banded_reference.compute_dtype(v.dtype)).item())
 
@@ -608,10 +608,11 @@ def banded_attention(
         out = q + k + v  # empty, but part of the graph: backward gives (empty) zero gradients
         return (out, q.new_zeros((batch, heads, length, width))) if return_weights else out
     scale = dim**-0.5 if scale is None else float(scale)
-    route = choose_route(q.device, q.dtype, dim, width, dropout_p)
+    device = q.device
+    route = choose_route(device, q.dtype, dim, width, dropout_p)
     nonfinite = nonfinite_value_reach(v, band_left, band_right, key_padding_mask)
     values = v if nonfinite is None else v.masked_fill(~torch.isfinite(v), 0)
-    keep = draw_dropout_keep((batch, heads, length, width), dropout_p, q.device)
+    keep = draw_dropout_keep((batch, heads, length, width), dropout_p, device)
     args = (q, k, values, band_left, band_right, key_padding_mask, keep, scale, dropout_p)
     out = _run_route(route, args)
     if nonfinite is not None:

@@ -27,13 +27,13 @@ softmax, dropout and both products in one fused kernel, where the backend takes 
 needs a gradient), instead of float32 logits, softmax, dropout and product, one operation each.
 """
 
-import os
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .banded_attention import _op_defined, load_extension
+from .environment import environment_value
 
 IMPL_ENV = "LOCAL_ATTN_MECHANISM_IMPL"
 IMPLS = ("auto", "torch", "sdpa")
@@ -52,7 +52,7 @@ def _operators_built() -> bool:
 
 
 def _chosen_impl() -> str:
-    choice = os.environ.get(IMPL_ENV, "auto") or "auto"
+    choice = environment_value(IMPL_ENV) or "auto"
     if choice not in IMPLS:
         raise ValueError(f"{IMPL_ENV}={choice!r}: use one of {', '.join(IMPLS)}")
     return choice
