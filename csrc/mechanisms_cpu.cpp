@@ -394,14 +394,20 @@ void pointer_softmax_rows(const scalar_t* logits, scalar_t scale, scalar_t* phi,
   });
 }
 
-// P(pointer <= j) and P(pointer >= j) of one row, each rounded to scalar_t as a stored
-// cumulative sum is.
+// P(pointer <= j) and P(pointer >= j) of a row's left and right pointers, each rounded to
+// scalar_t as a stored cumulative sum is. The four running sums are independent chains of
+// additions, advanced in one loop so that each add waits only on its own chain; each adds in
+// the order a cumulative sum does.
 template <typename scalar_t>
-void boundary_sums(const scalar_t* phi, int64_t n, scalar_t* at_most, scalar_t* at_least) {
-  double sum = 0;
-  for (int64_t j = 0; j < n; ++j) at_most[j] = static_cast<scalar_t>(sum += phi[j]);
-  sum = 0;
-  for (int64_t j = n - 1; j >= 0; --j) at_least[j] = static_cast<scalar_t>(sum += phi[j]);
+void boundary_sums(const scalar_t* left, const scalar_t* right, int64_t n, scalar_t* l_most,
+                   scalar_t* l_least, scalar_t* r_most, scalar_t* r_least) {
+  double lm = 0, ll = 0, rm = 0, rl = 0;
+  for (int64_t j = 0, i = n - 1; j < n; ++j, --i) {
+    l_most[j] = static_cast<scalar_t>(lm += left[j]);
+    r_most[j] = static_cast<scalar_t>(rm += right[j]);
+    l_least[i] = static_cast<scalar_t>(ll += left[i]);
+    r_least[i] = static_cast<scalar_t>(rl += right[i]);
+  }
 }
 
 template <typename scalar_t>
@@ -416,8 +422,7 @@ void window_mask_rows(const scalar_t* phi, scalar_t* mask, const WindowGeometry&
                     t = row % g.tgt_len;
       const scalar_t* left = phi + ((b * 2 * g.heads + h) * g.tgt_len + t) * n;
       const scalar_t* right = left + g.heads * g.tgt_len * n;
-      boundary_sums(left, n, l_most, l_least);
-      boundary_sums(right, n, r_most, r_least);
+      boundary_sums(left, right, n, l_most, l_least, r_most, r_least);
       scalar_t* m = mask + row * n;
       for (int64_t j = 0; j < n; ++j) {
         if (g.real && !g.real[b * n + j]) {
@@ -445,14 +450,14 @@ void window_mask_backward_rows(const scalar_t* grad_mask, const scalar_t* phi, d
              *r_least = r_most + n;
     double *gl_most = grads.data(), *gl_least = gl_most + n, *gr_most = gl_least + n,
            *gr_least = gr_most + n;
-    std::vector<double> grad_phi(n);
+    std::vector<double> grad_phi(2 * n);
+    double *grad_left = grad_phi.data(), *grad_right = grad_left + n;
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / (g.heads * g.tgt_len), h = (row / g.tgt_len) % g.heads,
                     t = row % g.tgt_len;
       const int64_t left_offset = ((b * 2 * g.heads + h) * g.tgt_len + t) * n;
       const int64_t right_offset = left_offset + g.heads * g.tgt_len * n;
-      boundary_sums(phi + left_offset, n, l_most, l_least);
-      boundary_sums(phi + right_offset, n, r_most, r_least);
+      boundary_sums(phi + left_offset, phi + right_offset, n, l_most, l_least, r_most, r_least);
       std::fill(grads.begin(), grads.end(), 0.0);
       const scalar_t* gm = grad_mask + row * n;
       for (int64_t j = 0; j < n; ++j) {
@@ -465,23 +470,26 @@ void window_mask_backward_rows(const scalar_t* grad_mask, const scalar_t* phi, d
         gl_least[s] += double(gm[j]) * r_most[e];
       }
       // d at_most[e] / d phi[i] = [i <= e], d at_least[s] / d phi[i] = [i >= s]; then the
-      // softmax: d logit_i = phi_i (d phi_i - sum_k phi_k d phi_k).
-      for (int side = 0; side < 2; ++side) {
-        const double* most = side == 0 ? gl_most : gr_most;
-        const double* least = side == 0 ? gl_least : gr_least;
-        const int64_t offset = side == 0 ? left_offset : right_offset;
-        const scalar_t* p = phi + offset;
-        scalar_t* out = grad_logits + offset;
-        double suffix = 0;
-        for (int64_t i = n - 1; i >= 0; --i) grad_phi[i] = (suffix += most[i]);
-        double prefix = 0, dot = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          grad_phi[i] += (prefix += least[i]);
-          dot += grad_phi[i] * p[i];
-        }
-        for (int64_t i = 0; i < n; ++i) {
-          out[i] = static_cast<scalar_t>(scale * p[i] * (grad_phi[i] - dot));
-        }
+      // softmax: d logit_i = phi_i (d phi_i - sum_k phi_k d phi_k). The left and right
+      // pointers' chains of sums advance in the same loops.
+      const scalar_t *p_left = phi + left_offset, *p_right = phi + right_offset;
+      double left_sum = 0, right_sum = 0;
+      for (int64_t i = n - 1; i >= 0; --i) {
+        grad_left[i] = (left_sum += gl_most[i]);
+        grad_right[i] = (right_sum += gr_most[i]);
+      }
+      left_sum = right_sum = 0;
+      double left_dot = 0, right_dot = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        grad_left[i] += (left_sum += gl_least[i]);
+        grad_right[i] += (right_sum += gr_least[i]);
+        left_dot += grad_left[i] * p_left[i];
+        right_dot += grad_right[i] * p_right[i];
+      }
+      scalar_t *out_left = grad_logits + left_offset, *out_right = grad_logits + right_offset;
+      for (int64_t i = 0; i < n; ++i) {
+        out_left[i] = static_cast<scalar_t>(scale * p_left[i] * (grad_left[i] - left_dot));
+        out_right[i] = static_cast<scalar_t>(scale * p_right[i] * (grad_right[i] - right_dot));
       }
     }
   });
