@@ -2,6 +2,7 @@
 fbank manifests and raw-WAV manifests, WER and BLEU from fairseq-generate, the ST encoder
 initialised from the ASR checkpoint."""
 
+import math
 import re
 
 import pytest
@@ -181,3 +182,43 @@ def test_hub_interface_predicts_from_a_wav_with_the_training_features(tmp_path, 
     index = rows.index(row)
     [line] = [x for x in decoded.splitlines() if x.startswith(f"D-{index}\t")]
     assert hub.predict(str(wav)) == line.split("\t")[2]
+
+
+def positional_scores(proc):
+    """The P- lines of fairseq-generate by utterance id (log-probabilities in base 2)."""
+    scores = {}
+    for line in proc.stdout.splitlines():
+        kind, _, rest = line.partition("-")
+        if kind == "P":
+            utterance, values = rest.split("\t")
+            scores[int(utterance)] = [float(x) for x in values.split()]
+    return scores
+
+
+def test_ensemble_of_a_local_and_a_global_model(tmp_path, tmp_path_factory):
+    """``--path local.pt:global.pt``: beam search reorders both encoders' outputs and decodes
+    every utterance; --score-reference gives each reference token the log of the two models'
+    mean probability."""
+    data = prepared(tmp_path_factory, "fbank")
+    train(data, tmp_path / "local", "asr", *LOCAL_WINDOWS)
+    train(data, tmp_path / "global", "asr", *GLOBAL_WINDOWS)
+    models = [str(tmp_path / name / "checkpoint_last.pt") for name in ("local", "global")]
+    ensemble = ":".join(models)
+    generate(data, ensemble, "asr")
+
+    def scored(path):
+        proc = fairseq_cli(
+            "fairseq-generate", data, "--user-dir", USER_DIR, "--path", path, *GENERATE,
+            "--config-yaml", "config_asr.yaml", "--gen-subset", "tst-COMMON_asr",
+            "--score-reference",
+        )  # fmt: skip
+        scores = positional_scores(proc)
+        assert sorted(scores) == list(range(SIZES["tst-COMMON"])), proc.stdout[-2000:]
+        return scores
+
+    together, alone = scored(ensemble), [scored(path) for path in models]
+    assert together != alone[0] and together != alone[1]
+    for utterance, scores in together.items():
+        per_model = torch.tensor([model[utterance] for model in alone]) * math.log(2)
+        mean = (torch.logsumexp(per_model, dim=0) - math.log(2)) / math.log(2)
+        assert scores == pytest.approx(mean.tolist(), abs=5e-4)  # printed to four decimals
