@@ -1,5 +1,7 @@
 """Build plugin models through fairseq's own argument parsing, as fairseq-train does."""
 
+import math
+
 import torch
 from fairseq import options, tasks
 
@@ -67,3 +69,11 @@ def generate(data, checkpoint, *extra):
     assert len(hypotheses) == 40, proc.stdout[-2000:]
     assert "BLEU" in proc.stdout
     return proc
+
+
+def ensemble_token_scores(per_model_scores):
+    """The token scores fairseq-generate prints for an ensemble (base-2 log of the models' mean
+    probability), from each model's printed token scores of the same tokens."""
+    natural = torch.tensor(per_model_scores) * math.log(2)
+    mean = torch.logsumexp(natural, dim=0) - math.log(len(per_model_scores))
+    return (mean / math.log(2)).tolist()

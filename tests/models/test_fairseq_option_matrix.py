@@ -31,6 +31,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_cli import eval_lm, generate, interactive, preprocess, train
 
 from ..conftest import TINY_MODEL, TRAIN, USER_DIR, forget_previous_best
+from .helpers import ensemble_token_scores
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -521,10 +522,7 @@ def test_ensemble(mt, family, tiny_data, tmp_path):
         for m, checkpoint in enumerate(checkpoints)
     ]
     for i in range(TEST_SENTENCES):
-        # fairseq prints log-probabilities in base 2
-        per_model = torch.tensor([scored_alone.positional[i][0] for scored_alone in alone])
-        mean_probability = torch.logsumexp(per_model * math.log(2), dim=0) - math.log(len(models))
-        expected = (mean_probability / math.log(2)).tolist()
+        expected = ensemble_token_scores([scored_alone.positional[i][0] for scored_alone in alone])
         assert ensemble.positional[i][0] == pytest.approx(expected, abs=5e-4)
 
 
