@@ -152,6 +152,20 @@ def requested_route() -> str:
     return choice
 
 
+# LOCAL_ATTN_BANDED_IMPL values under which the compiled kernels take every CPU call (None: unset)
+_CPU_KERNEL_CHOICES = (None, "auto", "extension")
+
+
+def _cpu_kernels_take(is_cpu: bool) -> bool:
+    """Whether a call goes to the compiled CPU kernels: they take every CPU call under ``auto``
+    and ``extension``. Asked first, as every call asks, without building a device object."""
+    return (
+        is_cpu
+        and _ExtensionState.module is not None
+        and environment_value(IMPL_ENV) in _CPU_KERNEL_CHOICES
+    )
+
+
 def _extension_has_device(module, device: torch.device, head_dim: int) -> bool:
     if device.type == "cuda":
         return module.built_with_cuda() and head_dim <= CUDA_MAX_HEAD_DIM
@@ -246,9 +260,9 @@ def choose_route(
     other devices, dtypes or head dims for tensor-core) take the ``auto`` route, with a warning
     once. ``extension`` fails where it has no kernel; a missing tensor-core build fails too.
     """
+    if _cpu_kernels_take(device.type == "cpu"):
+        return "extension"
     choice = requested_route()
-    if choice in ("auto", "extension") and device.type == "cpu" and _ExtensionState.module:
-        return "extension"  # the CPU kernels take every CPU call; asked first, as every call asks
     if choice == "torch":
         return "torch"
     if choice == "extension":
@@ -539,16 +553,15 @@ def nonfinite_value_reach(
     left: Sequence[int],
     right: Sequence[int],
     key_padding_mask: Optional[torch.Tensor],
-) -> Optional[torch.Tensor]:
-    """Where non-finite entries of v reach the output, or None when v is finite.
+) -> torch.Tensor:
+    """Where the non-finite entries of v (a v that holds some: see ``_all_finite``) reach the
+    output.
 
     Entry (b, h, i, d) of the (B, H, T, D) bool result is True when query i may attend to a
     key j (inside its window and the sequence, not padding) whose value v[b, h, j, d] is NaN or
     +-inf: a sum over the allowed keys would be non-finite there. Counted with prefix sums
     along T, so no (T, w) tensor is formed.
     """
-    if _all_finite(v):
-        return None
     batch, heads, length, dim = v.shape
     bad = ~torch.isfinite(v)
     if key_padding_mask is not None:
@@ -603,16 +616,23 @@ def banded_attention(
     band_left, band_right, width = clipped_band(left, right, heads, length)
     if key_padding_mask is not None:
         key_padding_mask = _check_padding(key_padding_mask, q)
-    dropout_p = _check_dropout(dropout_p)
+    dropout_p = 0.0 if dropout_p == 0 else _check_dropout(dropout_p)
     if q.numel() == 0:  # nothing to attend (no head, no position or no feature)
         out = q + k + v  # empty, but part of the graph: backward gives (empty) zero gradients
         return (out, q.new_zeros((batch, heads, length, width))) if return_weights else out
     scale = dim**-0.5 if scale is None else float(scale)
-    device = q.device
-    route = choose_route(device, q.dtype, dim, width, dropout_p)
-    nonfinite = nonfinite_value_reach(v, band_left, band_right, key_padding_mask)
-    values = v if nonfinite is None else v.masked_fill(~torch.isfinite(v), 0)
-    keep = draw_dropout_keep((batch, heads, length, width), dropout_p, device)
+    if _cpu_kernels_take(q.is_cpu):
+        route = "extension"
+    else:
+        route = choose_route(q.device, q.dtype, dim, width, dropout_p)
+    nonfinite = None
+    values = v
+    if not _all_finite(v):
+        nonfinite = nonfinite_value_reach(v, band_left, band_right, key_padding_mask)
+        values = v.masked_fill(~torch.isfinite(v), 0)
+    keep = None
+    if dropout_p:
+        keep = draw_dropout_keep((batch, heads, length, width), dropout_p, q.device)
     args = (q, k, values, band_left, band_right, key_padding_mask, keep, scale, dropout_p)
     out = _run_route(route, args)
     if nonfinite is not None:
