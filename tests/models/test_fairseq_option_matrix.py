@@ -541,6 +541,43 @@ def test_a_left_out_last_batch_is_said(mt, monkeypatch):
     assert [m for _, m in records if "leaves out 1 of 40 examples" in m], records
 
 
+def test_right_padded_sources_translate_as_left_padded(mt, family):
+    """fairseq pads a batch's sources on the left; ``--left-pad-source`` (a flag that turns it
+    off) pads them on the right, moving every shorter sentence's tokens in its batch. The
+    translations and their scores stay those of the default."""
+    reference = greedy(mt, family)
+    decoded = mt.generate(family, *DECODE, "--beam", 1, "--left-pad-source")
+    assert_one_hypothesis_per_sentence(decoded)
+    assert decoded.best() == reference.best()
+    for i in range(TEST_SENTENCES):
+        assert decoded.hypotheses[i][0][0] == pytest.approx(reference.hypotheses[i][0][0], abs=1e-4)
+
+
+# Without dropout, whose masks fall on other tokens when the tokens move in their batch.
+NO_DROPOUT = ["--dropout", 0, "--attention-dropout", 0, "--activation-dropout", 0]
+
+
+@pytest.mark.parametrize("option", ["--left-pad-source", "--left-pad-target"])
+def test_the_padding_side_trains_the_same_model(mt, family, option):
+    """Right-padded sources (``--left-pad-source``, which turns fairseq's left padding off) or
+    left-padded targets (``--left-pad-target``): the same batches with their tokens moved, so
+    the losses and gradient norms of two updates, and the parameters after them, are those of
+    fairseq's default padding."""
+    default = mt.train(family, *NO_DROPOUT, *SHORT_RUN)
+    moved = mt.train(family, *NO_DROPOUT, option, *SHORT_RUN)
+    task = checkpoint_utils.load_checkpoint_to_cpu(str(moved.checkpoint))["cfg"]["task"]
+    assert (task.left_pad_source, task.left_pad_target) == (
+        (False, False) if option == "--left-pad-source" else (True, True)
+    )
+    for update in (1, 2):
+        for key in ("loss", "gnorm"):
+            expected = pytest.approx(default.log.value(update, key), abs=1e-3)
+            assert moved.log.value(update, key) == expected, key
+    expected, found = default.parameters(), moved.parameters()
+    for name, value in expected.items():
+        torch.testing.assert_close(found[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
 # ---- fairseq-interactive ------------------------------------------------------------------------
 
 
