@@ -152,8 +152,9 @@ def requested_route() -> str:
     return choice
 
 
-# LOCAL_ATTN_BANDED_IMPL values under which the compiled kernels take every CPU call (None: unset)
-_CPU_KERNEL_CHOICES = (None, "auto", "extension")
+# LOCAL_ATTN_BANDED_IMPL values under which the compiled kernels take every CPU call (unset or
+# empty is auto)
+_CPU_KERNEL_CHOICES = (None, "", "auto", "extension")
 
 
 def _cpu_kernels_take(is_cpu: bool) -> bool:

@@ -42,9 +42,12 @@ def count_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["triton", "SDPA", "tensor_core", "flash"])
-def test_unknown_values_are_named_with_the_choices(value):
+@pytest.mark.parametrize("caller", ["choose_route", "banded_attention"])
+def test_unknown_values_are_named_with_the_choices(value, caller):
+    """Refused by choose_route, and by a call whose CPU inputs the kernels would take."""
+    q, k, v = make_qkv(1, 1, 12, 4)
     with implementation(value), pytest.raises(ValueError) as error:
-        choose_route(CPU)
+        choose_route(CPU) if caller == "choose_route" else banded_attention(q, k, v, 2, 2)
     message = str(error.value)
     assert f"LOCAL_ATTN_BANDED_IMPL={value!r}" in message
     assert all(route in message for route in ("auto", "extension", "torch", "sdpa", "tensor-core"))
@@ -53,6 +56,16 @@ def test_unknown_values_are_named_with_the_choices(value):
 def test_empty_value_means_auto():
     with implementation(""):
         assert choose_route(CPU) == ("extension" if EXTENSION["loaded"] else "torch")
+
+
+@needs_extension
+@pytest.mark.parametrize("value", ["", "auto", "extension"])
+def test_the_kernels_take_cpu_calls_under_auto_and_extension(value, count_calls):
+    q, k, v = make_qkv(1, 1, 12, 4)
+    with implementation(value):
+        assert choose_route(CPU) == "extension"
+        banded_attention(q, k, v, 2, 2)
+    assert count_calls == {"sdpa": 0, "torch": 0}
 
 
 @needs_extension
