@@ -118,6 +118,40 @@ def test_checkpoint_describes_itself(trained_classifier):
     assert "classification_heads.sva.out_proj.weight" in state["model"]
 
 
+# Band heads of the banded operator and Pande's masks in both layers, beside global heads.
+LOCAL_HEADS = "{encoder_self: {all: [band-2, prev-1, next-1, global]}}"
+
+
+@pytest.mark.parametrize(
+    "arch,options",
+    [
+        ("roberta_dynwin_classifier_tiny", []),  # Enc(MW)
+        ("roberta_dynwin_classifier_tiny", ["--dynamic-window", "encoder_self:aw-seg:0-1"]),
+        ("roberta_local_classifier", ["--encoder-embed-dim", 32, "--encoder-ffn-embed-dim", 64,
+                                      "--locality-config", LOCAL_HEADS]),
+    ],
+)  # fmt: skip
+def test_a_sentence_is_classified_alone_as_in_a_padded_batch(sva_data, arch, options):
+    """sentence_prediction pads a batch on the right: each sentence's logits in a batch of
+    sentences of several lengths are those it gets alone."""
+    model, task, _ = build_model(sva_data, arch, *TASK, *options)
+    model.eval()
+    task.load_dataset("test")
+    dataset = task.dataset("test")
+    samples = [dataset[i] for i in range(8)]
+    padded = dataset.collater(samples)["net_input"]["src_tokens"]
+    assert padded[:, -1].eq(task.source_dictionary.pad()).any()  # shorter sentences padded
+
+    def logits(batch):
+        tokens = dataset.collater(batch)["net_input"]["src_tokens"]
+        return model(tokens, features_only=True, classification_head_name="sva")[0]
+
+    with torch.no_grad():
+        together = logits(samples)
+        for row, sample in enumerate(samples):
+            torch.testing.assert_close(together[row], logits([sample])[0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "arch,options,windows,aw",
     [
