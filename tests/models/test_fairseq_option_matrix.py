@@ -744,6 +744,18 @@ def test_eval_lm_context_window_scores_every_token_once(lm, lm_family):
     assert_finite([results["loss"], results["perplexity"]])
 
 
+def test_eval_lm_scores_sentences_alone_as_in_padded_batches(lm, lm_family):
+    """``--sample-break-mode eos``: a sample is one sentence, padded to its batch's longest. One
+    sentence a batch (no padding) scores the test split as batches of 40 do."""
+    argv = [*LM_TASK, "--gen-subset", "test", "--sample-break-mode", "eos",
+            "--tokens-per-sample", 64, "--num-workers", 0]  # fmt: skip
+    checkpoint = lm.base(lm_family).checkpoint
+    batched, scored = fairseq_eval_lm(lm.data_bin, checkpoint, *argv, "--batch-size", 40)
+    alone, scored_alone = fairseq_eval_lm(lm.data_bin, checkpoint, *argv, "--batch-size", 1)
+    assert scored_alone == scored
+    assert float(alone["loss"]) == pytest.approx(float(batched["loss"]), abs=1e-5)
+
+
 LM_DECODE = [*LM_TASK, "--gen-subset", "test", "--sample-break-mode", "eos",
              "--tokens-per-sample", 64, "--batch-size", 40, "--num-workers", 0,
              "--max-len-a", 1, "--max-len-b", 4]  # fmt: skip
