@@ -56,6 +56,21 @@ def test_one_seed_makes_the_verdict_provisional_and_weak_models_are_named():
     assert rows[3][2] == "not met"
 
 
+@pytest.mark.parametrize(
+    "seed_ccds, verdict",
+    [((0.92, 0.94), "holds"), ((0.85, 0.88), "does not hold"),
+     ((0.89, 0.92), "not shown: the seeds fall on both sides of the ASR encoder's CCD")],
+)  # fmt: skip
+def test_st_more_diagonal_than_asr_needs_every_seed(seed_ccds, verdict):
+    """A mean above the ASR encoder's CCD is not enough when one seed's encoder is below it."""
+    arms = {arm: report.summarise_arm([st_record(arm, s, 9.0, [c, c])
+                                       for s, c in enumerate(seed_ccds, 1)])
+            for arm in ("global", "local")}  # fmt: skip
+    rows = report.verdicts({"ccd": [0.9, 0.9]}, arms, None)
+    assert rows[2][2] == verdict
+    assert rows[2][1].endswith(f"(seeds {min(seed_ccds):.3f}-{max(seed_ccds):.3f})")
+
+
 def test_no_window_chosen_leaves_the_claim_untested():
     arms = {arm: report.summarise_arm([st_record(arm, s, 5.0, [0.9], "0,0,0,0,0,0")
                                              for s in (1, 2)])
