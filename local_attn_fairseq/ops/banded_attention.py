@@ -631,9 +631,7 @@ def banded_attention(
     if not _all_finite(v):
         nonfinite = nonfinite_value_reach(v, band_left, band_right, key_padding_mask)
         values = v.masked_fill(~torch.isfinite(v), 0)
-    keep = None
-    if dropout_p:
-        keep = draw_dropout_keep((batch, heads, length, width), dropout_p, q.device)
+    keep = draw_dropout_keep((batch, heads, length, width), dropout_p, q.device)
     args = (q, k, values, band_left, band_right, key_padding_mask, keep, scale, dropout_p)
     out = _run_route(route, args)
     if nonfinite is not None:

@@ -369,6 +369,19 @@ def tokens(text):
     return text.replace("<<unk>>", "<unk>").split()
 
 
+def assert_trained_the_same(run, reference):
+    """The losses and gradient norms of both updates (as logged, to three decimals) and every
+    parameter after them are the reference run's."""
+    for update in (1, 2):
+        for key in ("loss", "gnorm"):
+            expected = pytest.approx(reference.log.value(update, key), abs=1e-3)
+            assert run.log.value(update, key) == expected, key
+    expected, found = reference.parameters(), run.parameters()
+    assert found.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(found[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
 # ---- fairseq-generate's options -----------------------------------------------------------------
 
 
@@ -569,13 +582,7 @@ def test_the_padding_side_trains_the_same_model(mt, family, option):
     assert (task.left_pad_source, task.left_pad_target) == (
         (False, False) if option == "--left-pad-source" else (True, True)
     )
-    for update in (1, 2):
-        for key in ("loss", "gnorm"):
-            expected = pytest.approx(default.log.value(update, key), abs=1e-3)
-            assert moved.log.value(update, key) == expected, key
-    expected, found = default.parameters(), moved.parameters()
-    for name, value in expected.items():
-        torch.testing.assert_close(found[name], value, atol=1e-5, rtol=1e-4, msg=name)
+    assert_trained_the_same(moved, default)
 
 
 # ---- fairseq-interactive ------------------------------------------------------------------------
@@ -671,17 +678,7 @@ def test_update_freq_accumulates_two_batches(mt, family):
 def test_activation_checkpointing_trains_the_same_model(mt, family, option):
     """Recomputing activations in the backward pass (dropout masks replayed) gives the losses,
     gradient norms and parameters of the run that keeps them."""
-    base = mt.base(family)
-    checkpointed = mt.train(family, option, *SHORT_RUN)
-    for update in (1, 2):
-        for key in ("loss", "gnorm"):
-            # as logged, to three decimals
-            expected = pytest.approx(base.log.value(update, key), abs=1e-3)
-            assert checkpointed.log.value(update, key) == expected, key
-    expected, found = base.parameters(), checkpointed.parameters()
-    assert found.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(found[name], value, atol=1e-5, rtol=1e-4, msg=name)
+    assert_trained_the_same(mt.train(family, option, *SHORT_RUN), mt.base(family))
 
 
 def test_store_ema(mt, family, tmp_path):
