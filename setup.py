@@ -46,7 +46,7 @@ def banded_attention_extension():
         "csrc/mechanisms_cpu.cpp",
         "csrc/projections_cpu.cpp",
     ]
-    headers = ["csrc/banded_attention.h", "csrc/banded_cpu_kernels.h"]
+    headers = ["csrc/banded_attention.h", "csrc/banded_cpu_kernels.h", "csrc/operator_autograd.h"]
     # -fopenmp: at::parallel_for is header-only and runs serially without it; the AVX2 copy of
     # the CPU kernels is chosen at run time, so no -march flag is needed.
     cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]

@@ -2,6 +2,7 @@
 // CPU and CUDA kernels: a differentiable call is one dispatcher hop into C++, with no Python
 // between the caller and the kernels, forward or backward.
 #include "banded_attention.h"
+#include "operator_autograd.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -61,6 +62,12 @@ c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
 template <Pair pair>
 class BandedAttentionFunction : public torch::autograd::Function<BandedAttentionFunction<pair>> {
  public:
+  static const OperatorInfo& info() {
+    static const OperatorInfo info{forward_name(pair), backward_name(pair), {0, 1, 2},
+                                   "LOCAL_ATTN_BANDED_IMPL=torch"};
+    return info;
+  }
+
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, at::IntArrayRef left, at::IntArrayRef right,
                                const c10::optional<at::Tensor>& key_padding_mask,
@@ -92,8 +99,10 @@ class BandedAttentionFunction : public torch::autograd::Function<BandedAttention
         grad_out, q, k, v, out, saved[4], left, right, optional_of(saved[5]),
         optional_of(saved[6]), ctx->saved_data["scale"].toDouble(),
         ctx->saved_data["dropout_p"].toDouble());
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    return refuse_second_derivatives(
+        {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+         at::Tensor()},
+        {grads[0], q, k, v}, info());
   }
 };
 

@@ -15,6 +15,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "operator_autograd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -26,6 +28,13 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// An operator of this file for its Autograd kernel: the argument positions that take
+// gradients, and what computes the second derivatives its kernels refuse.
+OperatorInfo mechanism_operator(const std::string& name, std::vector<int64_t> differentiable) {
+  return {"local_attn::" + name, "local_attn::" + name + "_backward", std::move(differentiable),
+          "LOCAL_ATTN_MECHANISM_IMPL=torch"};
+}
 
 using NamedTensor = std::pair<const at::Tensor*, const char*>;
 
@@ -290,6 +299,8 @@ LocalnessGrads localness_backward(const variable_list& saved, bool window_given,
 
 class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocalnessFunction> {
  public:
+  static const OperatorInfo& info();
+
   // argument positions, for the gradients
   enum { kQuery, kWp, kUp, kUd, kSpan, kLength, kPositions, kWindow, kLogits, kArgs = 11 };
 
@@ -303,6 +314,7 @@ class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocal
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     LocalnessForward f = localness_forward(query, w_p, u_p, u_d, span, length, positions,
                                            window, logits, window_offset, min_window);
+    keep_gradient_sources(ctx, {query, w_p, u_p, u_d, window, logits});
     ctx->save_for_backward(localness_saved(f, w_p, span, length, positions));
     ctx->saved_data["shape"] = query.sizes().vec();
     ctx->saved_data["window_given"] = window.has_value() && window->defined();
@@ -325,16 +337,22 @@ class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocal
     result[kUd] = g.u_d;
     result[kWindow] = g.window;
     if (ctx->saved_data["logits_given"].toBool()) result[kLogits] = grads[0];  // weight 1
-    return result;
+    return refuse_second_derivatives(ctx, result, grads, info());
   }
 };
+
+const OperatorInfo& GaussianLocalnessFunction::info() {
+  static const OperatorInfo info =
+      mechanism_operator("gaussian_localness", {kQuery, kWp, kUp, kUd, kWindow, kLogits});
+  return info;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_localness_autograd(
     const at::Tensor& query, const at::Tensor& w_p, const at::Tensor& u_p,
     const c10::optional<at::Tensor>& u_d, const at::Tensor& span, const at::Tensor& length,
     const at::Tensor& positions, const c10::optional<at::Tensor>& window,
     const c10::optional<at::Tensor>& logits, double window_offset, double min_window) {
-  variable_list outputs = GaussianLocalnessFunction::apply(
+  variable_list outputs = operator_autograd<GaussianLocalnessFunction>(
       query, w_p, u_p, u_d, span, length, positions, window, logits, window_offset, min_window);
   return {outputs[0], outputs[1], outputs[2]};
 }
@@ -632,6 +650,8 @@ WindowGrads window_backward(const variable_list& saved, const at::Tensor& grad_m
 
 class DynamicWindowFunction : public torch::autograd::Function<DynamicWindowFunction> {
  public:
+  static const OperatorInfo& info();
+
   enum { kQuery, kWq, kKeys, kArgs = 7 };  // argument positions, for the gradients
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
@@ -644,6 +664,7 @@ class DynamicWindowFunction : public torch::autograd::Function<DynamicWindowFunc
     const WindowInputs in =
         window_inputs(query, keys, visible, real, segment_start, segment_end);
     WindowForward f = window_forward(query, w_q, keys, in);
+    keep_gradient_sources(ctx, {query, w_q, keys});
     ctx->save_for_backward(window_saved(f, w_q, in));
     ctx->saved_data["query_shape"] = query.sizes().vec();
     ctx->saved_data["keys_shape"] = keys.sizes().vec();
@@ -659,16 +680,21 @@ class DynamicWindowFunction : public torch::autograd::Function<DynamicWindowFunc
     result[kKeys] = g.keys.view(ctx->saved_data["keys_shape"].toIntVector());
     result[kWq] = g.w_q;
     result[kQuery] = g.query2d.view(ctx->saved_data["query_shape"].toIntVector());
-    return result;
+    return refuse_second_derivatives(ctx, result, grads, info());
   }
 };
+
+const OperatorInfo& DynamicWindowFunction::info() {
+  static const OperatorInfo info = mechanism_operator("dynamic_window_mask", {kQuery, kWq, kKeys});
+  return info;
+}
 
 std::tuple<at::Tensor, at::Tensor> dynamic_window_mask_autograd(
     const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
     const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
     const c10::optional<at::Tensor>& segment_start,
     const c10::optional<at::Tensor>& segment_end) {
-  variable_list outputs = DynamicWindowFunction::apply(query, w_q, keys, visible, real,
+  variable_list outputs = operator_autograd<DynamicWindowFunction>(query, w_q, keys, visible, real,
                                                        segment_start, segment_end);
   return {outputs[0], outputs[1]};
 }
@@ -784,6 +810,8 @@ AdditiveGrads additive_window_backward(const variable_list& saved, bool biased, 
 
 class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFunction> {
  public:
+  static const OperatorInfo& info();
+
   // argument positions, for the gradients
   enum { kQuery, kWq, kKeys, kLocalW = 7, kLocalB, kLocalKeys, kArgs = 11 };
 
@@ -798,6 +826,7 @@ class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFu
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const AdditiveForward a = additive_forward(query, w_q, keys, visible, real, segment_start,
                                                segment_end, local_w, local_b, local_keys, scale);
+    keep_gradient_sources(ctx, {query, w_q, keys, local_w, local_b, local_keys});
     ctx->save_for_backward(additive_saved(a.window, w_q, a.in, local_w, a.local));
     ctx->saved_data["query_shape"] = query.sizes().vec();
     ctx->saved_data["keys_shape"] = keys.sizes().vec();
@@ -821,9 +850,16 @@ class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFu
     result[kLocalW] = g.local_w;
     result[kLocalB] = g.local_b;
     result[kLocalKeys] = g.local_keys.view(ctx->saved_data["local_keys_shape"].toIntVector());
-    return result;
+    return refuse_second_derivatives(ctx, result, grads, info());
   }
 };
+
+const OperatorInfo& AdditiveWindowFunction::info() {
+  static const OperatorInfo info =
+      mechanism_operator("additive_window_term", {
+          kQuery, kWq, kKeys, kLocalW, kLocalB, kLocalKeys});
+  return info;
+}
 
 std::tuple<at::Tensor, at::Tensor> additive_window_term_autograd(
     const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
@@ -831,7 +867,7 @@ std::tuple<at::Tensor, at::Tensor> additive_window_term_autograd(
     const c10::optional<at::Tensor>& segment_start,
     const c10::optional<at::Tensor>& segment_end, const at::Tensor& local_w,
     const c10::optional<at::Tensor>& local_b, const at::Tensor& local_keys, double scale) {
-  variable_list outputs = AdditiveWindowFunction::apply(
+  variable_list outputs = operator_autograd<AdditiveWindowFunction>(
       query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b, local_keys,
       scale);
   return {outputs[0], outputs[1]};
@@ -1081,6 +1117,8 @@ DenseGrads dense_backward(const variable_list& saved, size_t first, double scale
 
 class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFunction> {
  public:
+  static const OperatorInfo& info();
+
   enum { kQ, kK, kV, kBias, kMultiplier, kArgs = 10 };  // argument positions, for the gradients
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
@@ -1093,6 +1131,7 @@ class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFu
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     DenseForward f = dense_forward(q, k, v, bias, multiplier, attn_mask, key_padding_mask,
                                    dropout_keep, scale, dropout_p);
+    keep_gradient_sources(ctx, {q, k, v, bias, multiplier});
     ctx->save_for_backward(dense_saved(f));
     ctx->saved_data["bias"] = f.terms.bias.defined();
     ctx->saved_data["scale"] = scale;
@@ -1110,9 +1149,15 @@ class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFu
     result[kV] = g.v;
     if (ctx->saved_data["bias"].toBool()) result[kBias] = g.logits;
     result[kMultiplier] = g.multiplier;
-    return result;
+    return refuse_second_derivatives(ctx, result, grads, info());
   }
 };
+
+const OperatorInfo& DenseAttentionFunction::info() {
+  static const OperatorInfo info =
+      mechanism_operator("dense_attention", {kQ, kK, kV, kBias, kMultiplier});
+  return info;
+}
 
 at::Tensor dense_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const c10::optional<at::Tensor>& bias,
@@ -1121,8 +1166,9 @@ at::Tensor dense_attention_autograd(const at::Tensor& q, const at::Tensor& k, co
                                     const c10::optional<at::Tensor>& key_padding_mask,
                                     const c10::optional<at::Tensor>& dropout_keep, double scale,
                                     double dropout_p) {
-  return DenseAttentionFunction::apply(q, k, v, bias, multiplier, attn_mask, key_padding_mask,
-                                       dropout_keep, scale, dropout_p);
+  return operator_autograd<DenseAttentionFunction>(q, k, v, bias, multiplier, attn_mask,
+                                                   key_padding_mask, dropout_keep, scale,
+                                                   dropout_p)[0];
 }
 
 
@@ -1134,6 +1180,8 @@ at::Tensor dense_attention_autograd(const at::Tensor& q, const at::Tensor& k, co
 
 class GaussianAttentionFunction : public torch::autograd::Function<GaussianAttentionFunction> {
  public:
+  static const OperatorInfo& info();
+
   // argument positions, for the gradients
   enum {
     kQ, kK, kV, kQuery, kWp, kUp, kUd, kSpan, kLength, kPositions, kWindow, kWindowOffset,
@@ -1158,6 +1206,7 @@ class GaussianAttentionFunction : public torch::autograd::Function<GaussianAtten
     std::vector<at::Tensor> saved = localness_saved(l, w_p, span, length, positions);
     const std::vector<at::Tensor> attention = dense_saved(d);
     saved.insert(saved.end(), attention.begin(), attention.end());
+    keep_gradient_sources(ctx, {q, k, v, query, w_p, u_p, u_d, window, bias, multiplier});
     ctx->save_for_backward(saved);
     ctx->saved_data["query_shape"] = query.sizes().vec();
     ctx->saved_data["window_given"] = window.has_value() && window->defined();
@@ -1190,9 +1239,16 @@ class GaussianAttentionFunction : public torch::autograd::Function<GaussianAtten
     result[kWindow] = l.window;
     if (ctx->saved_data["bias"].toBool()) result[kBias] = d.logits;  // weight 1
     result[kMultiplier] = d.multiplier;
-    return result;
+    return refuse_second_derivatives(ctx, result, grads, info());
   }
 };
+
+const OperatorInfo& GaussianAttentionFunction::info() {
+  static const OperatorInfo info =
+      mechanism_operator("gaussian_attention", {
+          kQ, kK, kV, kQuery, kWp, kUp, kUd, kWindow, kBias, kMultiplier});
+  return info;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
@@ -1202,7 +1258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_attention_autograd(
     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& multiplier,
     const c10::optional<at::Tensor>& attn_mask, const c10::optional<at::Tensor>& key_padding_mask,
     const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
-  variable_list outputs = GaussianAttentionFunction::apply(
+  variable_list outputs = operator_autograd<GaussianAttentionFunction>(
       q, k, v, query, w_p, u_p, u_d, span, length, positions, window, window_offset, min_window,
       bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale, dropout_p);
   return {outputs[0], outputs[1], outputs[2]};
@@ -1277,6 +1333,8 @@ constexpr size_t kMultiplicativeSaved = kWindowSaved + 2;
 
 class WindowAttentionFunction : public torch::autograd::Function<WindowAttentionFunction> {
  public:
+  static const OperatorInfo& info();
+
   // argument positions, for the gradients
   enum {
     kQ, kK, kV, kQuery, kWq, kKeys, kLocalW = 10, kLocalB, kLocalKeys, kBias = 14, kMultiplier,
@@ -1299,6 +1357,8 @@ class WindowAttentionFunction : public torch::autograd::Function<WindowAttention
         q, k, v, query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b,
         local_keys, local_scale, bias, multiplier, attn_mask, key_padding_mask, dropout_keep,
         scale, dropout_p);
+    keep_gradient_sources(ctx, {q, k, v, query, w_q, keys, local_w, local_b, local_keys, bias,
+                                multiplier});
     ctx->save_for_backward(w.saved);
     const bool additive = local_w.has_value() && local_w->defined();
     ctx->saved_data["additive"] = additive;
@@ -1346,9 +1406,16 @@ class WindowAttentionFunction : public torch::autograd::Function<WindowAttention
     result[kQuery] = window.query2d.view(ctx->saved_data["query_shape"].toIntVector());
     result[kWq] = window.w_q;
     result[kKeys] = window.keys.view(ctx->saved_data["keys_shape"].toIntVector());
-    return result;
+    return refuse_second_derivatives(ctx, result, grads, info());
   }
 };
+
+const OperatorInfo& WindowAttentionFunction::info() {
+  static const OperatorInfo info =
+      mechanism_operator("window_attention", {
+          kQ, kK, kV, kQuery, kWq, kKeys, kLocalW, kLocalB, kLocalKeys, kBias, kMultiplier});
+  return info;
+}
 
 std::tuple<at::Tensor, at::Tensor> window_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
@@ -1360,7 +1427,7 @@ std::tuple<at::Tensor, at::Tensor> window_attention_autograd(
     const c10::optional<at::Tensor>& multiplier, const c10::optional<at::Tensor>& attn_mask,
     const c10::optional<at::Tensor>& key_padding_mask,
     const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
-  variable_list outputs = WindowAttentionFunction::apply(
+  variable_list outputs = operator_autograd<WindowAttentionFunction>(
       q, k, v, query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b,
       local_keys, local_scale, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
       dropout_p);
@@ -1386,34 +1453,37 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cpu(
 
 }  // namespace
 
+// The operators, each with its `<name>_backward` companion (operator_autograd.h).
+const char* const kMechanismSchemas[] = {
+    "gaussian_localness(Tensor query, Tensor w_p, Tensor u_p, Tensor? u_d, Tensor span, "
+          "Tensor length, Tensor positions, Tensor? window, Tensor? logits, float window_offset, "
+          "float min_window) -> (Tensor, Tensor, Tensor)",
+    "dynamic_window_mask(Tensor query, Tensor w_q, Tensor keys, Tensor? visible, "
+          "Tensor? real, Tensor? segment_start, Tensor? segment_end) -> (Tensor, Tensor)",
+    "additive_window_term(Tensor query, Tensor w_q, Tensor keys, Tensor? visible, "
+          "Tensor? real, Tensor? segment_start, Tensor? segment_end, Tensor local_w, "
+          "Tensor? local_b, Tensor local_keys, float scale) -> (Tensor, Tensor)",
+    "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? multiplier, "
+          "Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
+          "float dropout_p) -> Tensor",
+    "gaussian_attention(Tensor q, Tensor k, Tensor v, Tensor query, Tensor w_p, Tensor u_p, "
+          "Tensor? u_d, Tensor span, Tensor length, Tensor positions, Tensor? window, "
+          "float window_offset, float min_window, Tensor? bias, Tensor? multiplier, "
+          "Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
+          "float dropout_p) -> (Tensor, Tensor, Tensor)",
+    "window_attention(Tensor q, Tensor k, Tensor v, Tensor query, Tensor w_q, Tensor keys, "
+          "Tensor? visible, Tensor? real, Tensor? segment_start, Tensor? segment_end, "
+          "Tensor? local_w, Tensor? local_b, Tensor? local_keys, float local_scale, Tensor? bias, "
+          "Tensor? multiplier, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, "
+          "float scale, float dropout_p) -> (Tensor, Tensor)",
+};
+
 TORCH_LIBRARY_FRAGMENT(local_attn, m) {
-  m.def(
-      "gaussian_localness(Tensor query, Tensor w_p, Tensor u_p, Tensor? u_d, Tensor span, "
-      "Tensor length, Tensor positions, Tensor? window, Tensor? logits, float window_offset, "
-      "float min_window) -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "dynamic_window_mask(Tensor query, Tensor w_q, Tensor keys, Tensor? visible, "
-      "Tensor? real, Tensor? segment_start, Tensor? segment_end) -> (Tensor, Tensor)");
-  m.def(
-      "additive_window_term(Tensor query, Tensor w_q, Tensor keys, Tensor? visible, "
-      "Tensor? real, Tensor? segment_start, Tensor? segment_end, Tensor local_w, "
-      "Tensor? local_b, Tensor local_keys, float scale) -> (Tensor, Tensor)");
-  m.def(
-      "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? multiplier, "
-      "Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
-      "float dropout_p) -> Tensor");
-  m.def(
-      "gaussian_attention(Tensor q, Tensor k, Tensor v, Tensor query, Tensor w_p, Tensor u_p, "
-      "Tensor? u_d, Tensor span, Tensor length, Tensor positions, Tensor? window, "
-      "float window_offset, float min_window, Tensor? bias, Tensor? multiplier, "
-      "Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, float scale, "
-      "float dropout_p) -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "window_attention(Tensor q, Tensor k, Tensor v, Tensor query, Tensor w_q, Tensor keys, "
-      "Tensor? visible, Tensor? real, Tensor? segment_start, Tensor? segment_end, "
-      "Tensor? local_w, Tensor? local_b, Tensor? local_keys, float local_scale, Tensor? bias, "
-      "Tensor? multiplier, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? dropout_keep, "
-      "float scale, float dropout_p) -> (Tensor, Tensor)");
+  m.set_python_module("local_attn_fairseq.ops.mechanisms");  // their fake kernels
+  for (const char* schema : kMechanismSchemas) {
+    m.def(schema);
+    m.def(backward_schema(schema).c_str());
+  }
 }
 
 TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
@@ -1423,6 +1493,18 @@ TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
   m.impl("dense_attention", &dense_attention_cpu);
   m.impl("gaussian_attention", &gaussian_attention_cpu);
   m.impl("window_attention", &window_attention_cpu);
+  m.impl("gaussian_localness_backward",
+         &BackwardKernel<GaussianLocalnessFunction, decltype(&gaussian_localness_cpu)>::run);
+  m.impl("dynamic_window_mask_backward",
+         &BackwardKernel<DynamicWindowFunction, decltype(&dynamic_window_mask_cpu)>::run);
+  m.impl("additive_window_term_backward",
+         &BackwardKernel<AdditiveWindowFunction, decltype(&additive_window_term_cpu)>::run);
+  m.impl("dense_attention_backward",
+         &BackwardKernel<DenseAttentionFunction, decltype(&dense_attention_cpu)>::run);
+  m.impl("gaussian_attention_backward",
+         &BackwardKernel<GaussianAttentionFunction, decltype(&gaussian_attention_cpu)>::run);
+  m.impl("window_attention_backward",
+         &BackwardKernel<WindowAttentionFunction, decltype(&window_attention_cpu)>::run);
 }
 
 TORCH_LIBRARY_IMPL(local_attn, Autograd, m) {

@@ -361,7 +361,7 @@ class LocalMultiheadAttention(nn.Module):
         if self.local_k_proj is not None:
             projections.append((self.local_k_proj.weight, self.local_k_proj.bias))
         k, v, *rest = mechanisms.project_heads(key, projections, self.head_dim)
-        q = rest.pop(0) if with_query else self._project_qk(query, "q_proj")
+        q, rest = (rest[0], rest[1:]) if with_query else (self._project_qk(query, "q_proj"), rest)
         window_keys = {f"window{g}": rest[g] for g in range(len(windows))}
         if self.local_k_proj is not None:
             window_keys["local_key"] = rest[-1]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from . import banded_reference
 from .banded_attention import choose_route, draw_dropout_keep
+from .second_derivatives import gradients_with_graph
 
 Band = Tuple[int, int]  # (lo, hi): allowed offsets lo <= j - i <= hi
 
@@ -107,20 +108,27 @@ class _AllKeysLogSumExp(torch.autograd.Function):
             # rows without keys: flash gives 0 (and a zero output); the log-sum-exp is -inf
             batch, _, length, _ = q.shape
             has_key = _rows_with_keys(key_padding_mask, batch, length, causal, q.device)
-            ctx.save_for_backward(qf, kf, lse, key_bias, out, has_key)
+            ctx.save_for_backward(q, k, qf, kf, lse, key_bias, out, has_key)
             lse = lse.masked_fill(~has_key, float("-inf"))
         else:
             lse = _blocked_logsumexp(qf * scale, kf, key_bias, causal, block_rows)
-            ctx.save_for_backward(qf, kf, lse, key_bias)
+            ctx.save_for_backward(q, k, qf, kf, lse, key_bias)
         ctx.settings = (scale, causal, block_rows, flash, q.dtype, k.dtype)
+        ctx.key_padding_mask = key_padding_mask
         return lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_lse):
         scale, causal, block_rows, flash, q_dtype, k_dtype = ctx.settings
+        if torch.is_grad_enabled():  # create_graph: differentiable gradients
+            q, k = ctx.saved_tensors[:2]
+            dq, dk = gradients_with_graph(
+                lambda q, k: _dense_logsumexp(q, k, ctx.key_padding_mask, scale, causal), (q, k),
+                grad_lse,
+            )  # fmt: skip
+            return dq, dk, None, None, None, None
         if flash:
-            qf, kf, lse, key_bias, out, has_key = ctx.saved_tensors
+            _, _, qf, kf, lse, key_bias, out, has_key = ctx.saved_tensors
             grad = grad_lse.to(lse.dtype).masked_fill(~has_key, 0.0)[..., None] * scale
             dq = grad * out
             _, _, dk = _CPU_FLASH_BACKWARD(
@@ -128,12 +136,27 @@ class _AllKeysLogSumExp(torch.autograd.Function):
                 attn_mask=key_bias, scale=scale,
             )  # fmt: skip
         else:
-            qf, kf, lse, key_bias = ctx.saved_tensors
+            _, _, qf, kf, lse, key_bias = ctx.saved_tensors
             grad = grad_lse.to(lse.dtype)
             scaled_q = qf * scale
             dq, dk = _blocked_logsumexp_grad(scaled_q, kf, lse, grad, key_bias, causal, block_rows)
             dq = dq * scale
         return dq.to(q_dtype), dk.to(k_dtype), None, None, None, None
+
+
+def _dense_logsumexp(q, k, key_padding_mask, scale, causal) -> torch.Tensor:
+    """``all_keys_logsumexp`` from every logit at once, differentiable twice (its second
+    derivatives' composition); rows without keys give -inf and zero gradients."""
+    acc = banded_reference.compute_dtype(q.dtype)
+    logits = torch.matmul(q.to(acc) * scale, k.to(acc).transpose(-1, -2))
+    allowed = torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril()
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    has_key = allowed.any(-1)
+    logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~has_key[..., None], 0.0)
+    return torch.logsumexp(logits, -1).masked_fill(~has_key, float("-inf"))
 
 
 def _blocked_logsumexp(scaled_q, kf, key_bias, causal, block_rows) -> torch.Tensor:
@@ -208,6 +231,26 @@ def _band_kernels(q: torch.Tensor, width: int, dropout_p: float):
     return banded_reference.banded_forward, banded_reference.banded_backward
 
 
+def _band_of_full_softmax(q, k, v, lse, left, right, key_padding_mask, keep, scale, dropout_p):
+    """What ``_BandOfFullSoftmax`` computes, in differentiable PyTorch operations (its second
+    derivatives' composition): exp(s_ij - LSE_i) over the band, dropped out, times v."""
+    acc = banded_reference.compute_dtype(q.dtype)
+    max_left, max_right = max(left), max(right)
+    width = banded_reference.band_width(left, right)
+    k_padded = F.pad(k.to(acc), (0, 0, max_left, max_right))
+    logits = banded_reference.band_dot(q.to(acc), k_padded, width) * scale
+    allowed = banded_reference.allowed_band(q.shape[2], left, right, key_padding_mask, q.device)
+    allowed = allowed & ~torch.isneginf(lse)[..., None]  # a row without keys gets zeros
+    lse, inf = lse.to(acc), float("inf")
+    # -inf before exp, not 0 after it: no 0 * inf in the gradients
+    weights = torch.exp((logits - _finite_or_zero(lse)[..., None]).masked_fill(~allowed, -inf))
+    factor = banded_reference.keep_factor(keep, dropout_p, acc)
+    if factor is not None:
+        weights = weights * factor
+    v_padded = F.pad(v.to(acc), (0, 0, max_left, max_right))
+    return banded_reference.band_combine(weights, v_padded).to(q.dtype)
+
+
 class _BandOfFullSoftmax(torch.autograd.Function):
     """sum_{j in band} exp(s_ij - LSE_i) v_j for the given LSE (see the module docstring)."""
 
@@ -226,10 +269,16 @@ class _BandOfFullSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse, key_padding_mask, keep = ctx.saved_tensors
         left, right, scale, dropout_p, band_backward = ctx.band
+        if torch.is_grad_enabled():  # create_graph: differentiable gradients
+            band = (left, right, key_padding_mask, keep, scale, dropout_p)
+            dq, dk, dv, grad_lse = gradients_with_graph(
+                lambda q, k, v, lse: _band_of_full_softmax(q, k, v, lse, *band), (q, k, v, lse),
+                grad_out,
+            )  # fmt: skip
+            return dq, dk, dv, grad_lse, None, None, None, None, None, None
         grad_out = grad_out.contiguous()
         # Weights exp(s - LSE) with LSE held fixed: no renormalisation term (zero output).
         dq, dk, dv = band_backward(

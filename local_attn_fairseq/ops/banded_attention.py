@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from . import banded_reference
 from .blocked_sdpa import blocked_sdpa_output
+from .second_derivatives import gradients_with_graph
 from .environment import environment_value
 
 IMPL_ENV = "LOCAL_ATTN_BANDED_IMPL"
@@ -350,7 +351,8 @@ _register_python_parts()
 
 
 class _TorchBandedAttention(torch.autograd.Function):
-    """The pure-PyTorch fallback, with the same saved state and backward as the operators."""
+    """The pure-PyTorch fallback, with the same saved state and backward as the operators, and
+    second derivatives (ops/second_derivatives.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v, left, right, key_padding_mask, dropout_keep, scale, dropout_p):
@@ -363,10 +365,16 @@ class _TorchBandedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, key_padding_mask, dropout_keep = ctx.saved_tensors
         left, right, scale, dropout_p = ctx.band
+        if torch.is_grad_enabled():  # create_graph: differentiable gradients
+            band = (left, right, key_padding_mask, dropout_keep, scale, dropout_p)
+            dq, dk, dv = gradients_with_graph(
+                lambda q, k, v: banded_reference.banded_forward(q, k, v, *band)[0],
+                (q, k, v), grad_out,
+            )  # fmt: skip
+            return dq, dk, dv, None, None, None, None, None, None
         dq, dk, dv = banded_reference.banded_backward(
             grad_out, q, k, v, out, lse, left, right, key_padding_mask, dropout_keep, scale,
             dropout_p,

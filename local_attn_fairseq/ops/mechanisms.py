@@ -16,8 +16,10 @@ values, pointer keys and local keys) in one call: at these lengths the nn.Linear
 an attention cost as much as the attention.
 ``locality/gaussian.py``, ``locality/dynamic_window.py`` and ``LocalMultiheadAttention``
 define the computations and call these operators when
-:func:`cpu_operators_apply`; everywhere else (GPUs, half precision, an unbuilt extension,
-``torch.compile``) they compute them in PyTorch, with the same results.
+:func:`cpu_operators_apply`; everywhere else (GPUs, half precision, an unbuilt extension) they
+compute them in PyTorch, with the same results. ``torch.compile`` traces the operators through
+their fake kernels (the end of this module); their Autograd kernels refuse second derivatives
+(csrc/operator_autograd.h), which ``LOCAL_ATTN_MECHANISM_IMPL=torch`` computes.
 
 ``LOCAL_ATTN_MECHANISM_IMPL=torch`` keeps every call in PyTorch (``auto``, the default, uses
 the operators where they apply). ``sdpa`` is ``auto`` plus one route that no GPU has measured
@@ -48,6 +50,7 @@ def _operators_built() -> bool:
         _OperatorState.available = load_extension() is not None and _op_defined(
             "project_heads"
         )
+        register_fake_kernels()
     return _OperatorState.available
 
 
@@ -60,10 +63,9 @@ def _chosen_impl() -> str:
 
 def cpu_operators_apply(*tensors: Tensor) -> bool:
     """Whether a call on these tensors goes through the C++ operators: every tensor float32 on
-    the CPU, the extension built with them, no ``torch.compile`` tracing, no CPU autocast (whose
-    casts belong to PyTorch's own operations), and not switched off by
-    ``LOCAL_ATTN_MECHANISM_IMPL=torch``."""
-    if _chosen_impl() == "torch" or torch.compiler.is_compiling():
+    the CPU, the extension built with them, no CPU autocast (whose casts belong to PyTorch's own
+    operations), and not switched off by ``LOCAL_ATTN_MECHANISM_IMPL=torch``."""
+    if _chosen_impl() == "torch":
         return False
     if torch.is_autocast_enabled("cpu"):
         return False
@@ -235,3 +237,78 @@ def dense_attention(
     v, (B, H, T, D): q (B, H, T, D), k and v (B, H, S, D); bias and multiplier (B, H, T, S) or
     None. A query without a key gets zeros."""
     return torch.ops.local_attn.dense_attention(q, k, v, bias, multiplier, *attention)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake kernels (torch.compile, torch.export, opcheck): the operators' output shapes, and those of
+# their ``<name>_backward`` companions (csrc/operator_autograd.h), which give one gradient per
+# argument, an empty tensor where the argument takes none. Autograd stays in C++.
+
+
+def _fake_gaussian_localness(query, w_p, u_p, u_d, span, length, positions, *rest):
+    bsz, tgt_len, _ = query.shape
+    per_query = (bsz, u_p.shape[0], tgt_len)
+    bias = query.new_empty((*per_query, positions.shape[1]))
+    return bias, query.new_empty(per_query), query.new_empty(per_query)
+
+
+def _fake_window_mask(query, w_q, keys, *rest):
+    """dynamic_window_mask's (M, pointers) and additive_window_term's (term, pointers)."""
+    bsz, tgt_len, _ = query.shape
+    pointers, src_len = keys.shape[1], keys.shape[2]
+    pointer_shape = (bsz, pointers, tgt_len, src_len)
+    return query.new_empty((bsz, pointers // 2, tgt_len, src_len)), query.new_empty(pointer_shape)
+
+
+def _fake_dense_attention(q, k, v, *rest):
+    return q.new_empty((*q.shape[:3], v.shape[3]))
+
+
+def _fake_gaussian_attention(q, k, v, *rest):
+    per_query = q.shape[:3]
+    return _fake_dense_attention(q, k, v), q.new_empty(per_query), q.new_empty(per_query)
+
+
+def _fake_window_attention(q, k, v, query, w_q, keys, *rest):
+    pointer_shape = (q.shape[0], keys.shape[1], q.shape[2], keys.shape[2])
+    return _fake_dense_attention(q, k, v), q.new_empty(pointer_shape)
+
+
+# Each operator's fake kernel and the argument positions that take gradients (the Autograd
+# kernels' in csrc/mechanisms_cpu.cpp).
+_FAKE_KERNELS = {
+    "gaussian_localness": (_fake_gaussian_localness, (0, 1, 2, 3, 7, 8)),
+    "dynamic_window_mask": (_fake_window_mask, (0, 1, 2)),
+    "additive_window_term": (_fake_window_mask, (0, 1, 2, 7, 8, 9)),
+    "dense_attention": (_fake_dense_attention, (0, 1, 2, 3, 4)),
+    "gaussian_attention": (_fake_gaussian_attention, (0, 1, 2, 3, 4, 5, 6, 10, 13, 14)),
+    "window_attention": (_fake_window_attention, (0, 1, 2, 3, 4, 5, 10, 11, 12, 14, 15)),
+}
+
+
+def _fake_gradients(differentiable: Tuple[int, ...]):
+    def fake_backward(grad, *args):
+        return [
+            arg.new_empty(arg.shape) if i in differentiable and arg is not None else
+            grad.new_empty(0)
+            for i, arg in enumerate(args)
+        ]  # fmt: skip
+
+    return fake_backward
+
+
+_FAKES_REGISTERED: set = set()
+
+
+def register_fake_kernels() -> None:
+    """Register the fake kernels of the operators the loaded extension defines (once each)."""
+    for name, (forward, differentiable) in _FAKE_KERNELS.items():
+        if name in _FAKES_REGISTERED or not _op_defined(f"{name}_backward"):
+            continue
+        torch.library.register_fake(f"local_attn::{name}", forward)
+        torch.library.register_fake(f"local_attn::{name}_backward", _fake_gradients(differentiable))
+        _FAKES_REGISTERED.add(name)
+
+
+# torch imports this module for the fake kernels when the library was loaded some other way.
+register_fake_kernels()

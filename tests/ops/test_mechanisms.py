@@ -32,15 +32,22 @@ def padding(bsz, src_len, rows=((0, slice(0, 2)),)):
 # -- gradients, float64 --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("given_window, logits, causal", itertools.product([False, True], repeat=3))
-def test_gaussian_localness_gradients(given_window, logits, causal):
+def gaussian_parameters(tgt, given_window):
+    """The Gaussian bias's float64 queries (B, tgt, DIM), W_p, U_p, and U_d or the windows."""
     torch.manual_seed(0)
-    tgt = S if causal else T
     dbl = dict(dtype=torch.float64, requires_grad=True)
     query = torch.randn(B, tgt, DIM, **dbl)
     w_p, u_p = torch.randn(DIM, DIM, **dbl), torch.randn(H, DIM, **dbl)
     u_d = None if given_window else torch.randn(H, DIM, **dbl)
     window = torch.rand(H, **dbl) * 4 + 0.5 if given_window else None
+    return query, w_p, u_p, u_d, window
+
+
+@pytest.mark.parametrize("given_window, logits, causal", itertools.product([False, True], repeat=3))
+def test_gaussian_localness_gradients(given_window, logits, causal):
+    tgt = S if causal else T
+    dbl = dict(dtype=torch.float64, requires_grad=True)
+    query, w_p, u_p, u_d, window = gaussian_parameters(tgt, given_window)
     real = (~padding(B, S)).double()
     positions = real.cumsum(-1) - 1
     seen = real.cumsum(-1)[:, S - tgt :] if causal else real.sum(-1, keepdim=True).expand(-1, tgt)

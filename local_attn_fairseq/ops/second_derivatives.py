@@ -1,0 +1,37 @@
+"""Second derivatives of the Python autograd Functions of ``ops/``.
+
+Their backwards run kernels that autograd cannot look into (the compiled operators, PyTorch's
+flash attention, loops of in-place updates), so gradients they return carry no history. Under
+``create_graph`` (a gradient penalty, a Hessian-vector product, meta-learning) such a Function
+instead runs its output again as a composition of differentiable PyTorch operations and returns
+that composition's gradients, built with their own graph: the same first derivatives, and
+correct second derivatives. The composition may cost more memory than the Function's own
+backward (the log-sum-exp over all keys forms every logit); it runs only when asked for.
+(The compiled operators' own Autograd kernels refuse second derivatives instead:
+csrc/operator_autograd.h.)
+"""
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+
+def gradients_with_graph(
+    composition: Callable[..., torch.Tensor],
+    inputs: Sequence[Optional[torch.Tensor]],
+    grad_output: torch.Tensor,
+) -> List[Optional[torch.Tensor]]:
+    """The gradients of ``composition(*inputs)`` for ``grad_output``, differentiable in turn
+    (None for an input that is not a tensor requiring gradients)."""
+    wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    result: List[Optional[torch.Tensor]] = [None] * len(inputs)
+    if not wanted:
+        return result
+    with torch.enable_grad():
+        output = composition(*inputs)
+    gradients = torch.autograd.grad(
+        output, [inputs[i] for i in wanted], grad_output, create_graph=True, allow_unused=True
+    )
+    for i, gradient in zip(wanted, gradients):
+        result[i] = gradient
+    return result
