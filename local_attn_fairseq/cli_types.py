@@ -1,9 +1,13 @@
-"""argparse types shared by the package's command-line tools: a count that makes no sense (no
-epochs, no training pairs, no parallel jobs) is refused with the option's name before any work
-starts, instead of failing later inside fairseq or silently training nothing."""
+"""argparse types and option syntaxes shared by the package's command-line tools: a count that
+makes no sense (no epochs, no training pairs, no parallel jobs) or a selector that selects
+nothing (a reversed layer range, an empty list) is refused with the option's name before any
+work starts, instead of failing later inside fairseq or silently training nothing."""
 
 import argparse
+import functools
 import os
+import re
+from typing import Dict, List, Optional
 
 
 def int_at_least(minimum):
@@ -40,3 +44,118 @@ def output_file(text):
             f"{text}: {folder} is a file, not a folder; choose a path in a folder"
         )
     return text
+
+
+LAYER_SELECTOR_SYNTAX = "N, 'A-B' (A <= B), 'A,B,...' or 'all'"
+_LAYER_PIECE = re.compile(r"(\d+)(?:\s*-\s*(\d+))?")
+
+
+def layer_selection(selector, num_layers: Optional[int] = None) -> Optional[List[int]]:
+    """The layers (0-based) a layer selector names, in the order given: ``all``, ``N``, ``A-B``
+    (A to B, both included) or a comma-separated list of these. This is the one reader of layer
+    selectors, for the locality spec and every option that takes layers.
+
+    A selector that selects no layer (empty, a reversed range such as ``2-0``) is refused with a
+    ValueError: read as ``range(2, 1)`` it would leave those layers global without a word. With
+    ``num_layers`` every layer must exist; without it (a value checked before the model's depth
+    is known) numbers are not bounded and ``all`` gives None."""
+    text = "" if selector is None else str(selector).strip()
+    if not text:
+        raise ValueError(
+            f"layer selector {selector!r} selects no layer; give {LAYER_SELECTOR_SYNTAX}"
+        )
+    if text == "all":
+        layers = None if num_layers is None else list(range(num_layers))
+    else:
+        layers = []
+        for piece in text.split(","):
+            match = _LAYER_PIECE.fullmatch(piece.strip())
+            if match is None:
+                raise ValueError(f"layer selector {text!r} is not {LAYER_SELECTOR_SYNTAX}")
+            first, last = int(match[1]), int(match[2] or match[1])
+            if first > last:
+                where = "" if piece == text else f": the range {piece.strip()!r}"
+                raise ValueError(
+                    f"layer selector {text!r}{where} runs backwards and selects no layer; "
+                    f"write '{last}-{first}'"
+                )
+            layers.extend(range(first, last + 1))
+    if num_layers is not None:
+        if not layers:
+            raise ValueError(f"layer selector {text!r} selects no layer: the model has none")
+        for layer in layers:
+            if layer >= num_layers:
+                raise ValueError(
+                    f"layer {layer} does not exist; the model has {num_layers} layers "
+                    f"(numbered 0-{num_layers - 1})"
+                )
+    return layers
+
+
+def _per_type_entries(value: str, option: str, syntax: str, example: str) -> Dict[str, str]:
+    """``"TYPE:REST TYPE:REST ..."`` of a command-line option -> {TYPE: REST}; a value with no
+    entry selects nothing and is refused, naming the option."""
+    entries = {}
+    for entry in value.split():
+        attn_type, sep, rest = entry.partition(":")
+        if not sep:
+            raise ValueError(f"{option} entry {entry!r} is not {syntax} (e.g. {example})")
+        entries[attn_type] = rest
+    if not entries:
+        raise ValueError(f"{option} {value!r} selects nothing; give {syntax} (e.g. {example})")
+    return entries
+
+
+def localness_layers(value: str) -> Dict[str, str]:
+    """``--localness-layers``: ``"TYPE:LAYERS ..."`` -> {TYPE: LAYERS}, each selector read by
+    :func:`layer_selection` (the spec checks the types and the model's depth)."""
+    option = "--localness-layers"
+    entries = _per_type_entries(value, option, "ATTENTION_TYPE:LAYERS", "encoder_self:0-2")
+    for attn_type, selector in entries.items():
+        _check_selector(selector, f"{option} entry {attn_type}:{selector}")
+    return entries
+
+
+def dynamic_windows(value: str) -> Dict[str, str]:
+    """``--dynamic-window``: ``"TYPE:METHOD:LAYERS ..."`` (or ``TYPE:none``) -> {TYPE:
+    "METHOD:LAYERS" or "none"}, each selector read by :func:`layer_selection` (the spec checks
+    the types, the methods and the model's depth)."""
+    option, syntax, example = "--dynamic-window", "TYPE:METHOD:LAYERS", "encoder_self:aw:0-2"
+    entries = _per_type_entries(value, option, syntax, example)
+    for attn_type, rest in entries.items():
+        if rest == "none":
+            continue
+        _, sep, selector = rest.partition(":")
+        if not sep:
+            raise ValueError(f"{option} entry {attn_type}:{rest} is not {syntax} (e.g. {example})")
+        _check_selector(selector, f"{option} entry {attn_type}:{rest}")
+    return entries
+
+
+def _check_selector(selector, where):
+    try:
+        layer_selection(selector)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def attention_type_list(value: str, option: str) -> List[str]:
+    """A comma-separated list of attention types (``--head-gates``,
+    ``--relative-positions-attention``); one that names none (``""``, ``","``) is refused rather
+    than read as no type or as the default types."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"{option} {value!r} names no attention type")
+    return names
+
+
+# fairseq-train options of the plugin whose values select layers or attention types, and their
+# readers: the recipes check a row's values with them before any stage runs.
+SELECTING_OPTIONS = {
+    "localness-layers": localness_layers,
+    "dynamic-window": dynamic_windows,
+    "head-gates": functools.partial(attention_type_list, option="--head-gates"),
+    "relative-positions-attention": functools.partial(
+        attention_type_list, option="--relative-positions-attention"
+    ),
+}

@@ -7,7 +7,8 @@ attention windows they suggest (Alastruey et al. 2022, Table 1 and Figures 3-4).
          --compare-gen-subset dev_st]
 
 Prints, per model, a block in the layout of the paper's Table 1 (layer, mu +- sigma of the
-per-sentence widths, w, CL; plus CCD and the window written to windows.txt). Writes, in
+per-sentence widths, w, CL; plus CCD and the window written to windows.txt), titled with the
+model's task (``loading.task_description``) or its ``--label``. Writes, in
 --output-dir: ``contributions.json`` (per layer: mu, sigma, w, CL, CCD; and the same
 for the compared model), ``windows.txt`` (the value of ``--encoder-attention-windows`` for
 ``s2t_transformer_local``), ``contribution_matrices.png`` (one sentence, main diagonal hidden,
@@ -31,6 +32,7 @@ from .loading import (
     float_between,
     load_model,
     load_subset,
+    task_description,
 )
 from .output import output_path, pyplot, save_figure, write_json
 
@@ -42,12 +44,16 @@ def add_arguments(parser):
     parser.add_argument(
         "--config-yaml", help="speech_to_text: the data config (e.g. config_asr.yaml)"
     )
-    parser.add_argument("--label", default="ASR", help="name of the model in plots and tables")
+    parser.add_argument(
+        "--label",
+        help="name of the model in plots and tables (default: its task, e.g. speech "
+        "recognition, translation (de-en))",
+    )
     parser.add_argument("--compare-path", help="a second checkpoint (e.g. the ST model)")
     parser.add_argument("--compare-data", help="its data directory (default: --data)")
     parser.add_argument("--compare-config-yaml", help="its data config (e.g. config_st.yaml)")
     parser.add_argument("--compare-gen-subset", default="dev_st")
-    parser.add_argument("--compare-label", default="ST")
+    parser.add_argument("--compare-label", help="its name (default: its task)")
     parser.add_argument(
         "--num-sentences", type=positive_int, default=400, help="random sample size"
     )
@@ -95,12 +101,14 @@ def add_arguments(parser):
 
 
 def run(args):
-    primary = analyse(args.path, args.data, args.config_yaml, args.gen_subset, args, primary=True)
+    primary = analyse(
+        args.path, args.data, args.config_yaml, args.gen_subset, args.label, args, primary=True
+    )
     chosen = contrib.choose_windows(
         primary["layers"], args.max_contribution_loss, args.global_layers
     )
     windows = ",".join(map(str, chosen))
-    results = {**primary, "label": args.label, "encoder_attention_windows": windows}
+    results = {**primary, "encoder_attention_windows": windows}
     for layer, window in zip(results["layers"], chosen):
         layer["chosen_window"] = window
     rule = (
@@ -117,12 +125,12 @@ def run(args):
             args.compare_data or args.data,
             args.compare_config_yaml,
             args.compare_gen_subset,
+            args.compare_label,
             args,
         )
-        compared["label"] = args.compare_label
         print_table(compared)
         results["compare"] = {k: v for k, v in compared.items() if k != "plot"}
-    plot_matrices(results["plot"], chosen, args.output_dir)
+    plot_matrices(results["plot"], chosen, results["label"], args.output_dir)
     plot_ccd([results, compared] if compared else [results], args.output_dir)
     atomic_write_text(output_path(args.output_dir, "windows.txt"), windows + "\n")
     write_json(
@@ -138,17 +146,16 @@ def sample_batches(task, subset, num_sentences, seed, batch_size):
     """A seeded random sample of the subset, batched in order of length (little padding);
     also returns the sample's dataset indices in drawn order."""
     dataset = load_subset(task, subset)
-    if len(dataset) == 0:
-        raise AnalysisInputError(f"subset {subset!r} is empty")
     drawn = random.Random(seed).sample(range(len(dataset)), min(num_sentences, len(dataset)))
     by_length = sorted(drawn, key=dataset.num_tokens)
     chunks = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
     return dataset, chunks, drawn
 
 
-def analyse(path, data, config_yaml, subset, args, primary=False):
-    """Per-layer statistics of one checkpoint over the sample, plus one sentence for the plot.
-    The options that depend on the model and its data are checked before any sentence runs."""
+def analyse(path, data, config_yaml, subset, label, args, primary=False):
+    """Per-layer statistics of one checkpoint over the sample, plus one sentence for the plot,
+    under ``label`` (default: the checkpoint's task). The options that depend on the model and
+    its data are checked before any sentence runs."""
     loaded = load_model(path, data, cpu=args.cpu, config_yaml=config_yaml)
     encoder_self_attention_modules(loaded, path)  # a language model has none: say so
     encoder_layers = contrib.encoder_layers(loaded.model)
@@ -189,7 +196,10 @@ def analyse(path, data, config_yaml, subset, args, primary=False):
                     plot["matrices"].append(normalised.float().numpy())
         progress.update(len(chunk))
     progress.close()
+    task = task_description(loaded)
     return {
+        "label": label or task,
+        "task": task,
         "checkpoint": path,
         "subset": subset,
         "num_sentences": len(drawn),
@@ -205,7 +215,7 @@ def print_table(results):
     global), mu +- sigma of the per-sentence widths, w = ceil(mu + sigma) made odd, CL of w;
     then CCD and the window written to windows.txt."""
     print(
-        f"\n{results.get('label', '')}: {results['checkpoint']} on {results['subset']}, "
+        f"\n{results['label']}: {results['checkpoint']} on {results['subset']}, "
         f"{results['num_sentences']} sentences, t = {results['threshold']}"
     )
     print(
@@ -226,7 +236,7 @@ def print_table(results):
         print(f"(*) standard self-attention in windows.txt: {results['global_rule']}")
 
 
-def plot_matrices(plot, windows, output_dir):
+def plot_matrices(plot, windows, label, output_dir):
     """Figure 4: each layer's contribution matrix of one sentence, main diagonal hidden (it
     holds most of every row and would wash out the rest), the layer's window outlined."""
     plt = pyplot()
@@ -252,7 +262,7 @@ def plot_matrices(plot, windows, output_dir):
         ax.set_title(title, fontsize=9)
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.suptitle(f"contributions, sentence {plot['sentence']} (main diagonal hidden)")
+    fig.suptitle(f"{label}: contributions, sentence {plot['sentence']} (main diagonal hidden)")
     fig.tight_layout()
     save_figure(fig, output_dir, "contribution_matrices.png")
 
@@ -264,7 +274,7 @@ def plot_ccd(all_results, output_dir):
     for results, style in zip(all_results, ("--", "-")):
         layers = [s["layer"] for s in results["layers"]]
         ccd = [s["ccd_mean"] for s in results["layers"]]
-        ax.plot(layers, ccd, style, marker="o", label=results.get("label"))
+        ax.plot(layers, ccd, style, marker="o", label=results["label"])
     ax.set_xlabel("encoder layer")
     ax.set_ylabel("CCD (area under D(w) / (2N - 1))")
     ax.set_xticks(layers)

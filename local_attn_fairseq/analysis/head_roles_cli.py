@@ -160,8 +160,6 @@ def analyse(loaded, args, syntax, statistics, relevance, rule) -> Dict[str, int]
             queries = source if key[0] == "encoder_self" else target
             keys = target if key[0] == "decoder_self" else source
             stats.add(weights[key][0], queries, keys, pairs if key[0] == "encoder_self" else None)
-    if counts["sentences"] == 0:
-        raise AnalysisInputError("no sentence to analyse")
     decoder_types = [t for t in args.attention_type if t != "encoder_self"]
     if decoder_types and counts["with_target"] == 0:
         raise AnalysisInputError(

@@ -295,6 +295,38 @@ def load_model(
     return LoadedModel(model, task, cfg, device)
 
 
+# fairseq tasks -> what a model trained on them does, in the words of report titles
+TASK_DESCRIPTIONS = {
+    "translation_multi_simple_epoch": "translation",
+    "multilingual_translation": "translation",
+    "language_modeling": "language model",
+    "sentence_prediction": "sentence classification",
+    "masked_lm": "masked language model",
+}
+# Words in the names of speech_to_text data (MuST-C's train_asr / config_st.yaml, the recipes'
+# and the speech pipeline's manifests) saying which of its two tasks a model was trained on.
+SPEECH_TASK_WORDS = {"asr": "speech recognition", "st": "speech translation"}
+
+
+def task_description(loaded: LoadedModel) -> str:
+    """What the loaded model was trained to do, for the titles of reports: "translation (de-en)",
+    "speech recognition", "speech translation", "language model", ...; fairseq's task name
+    when it is none of these. fairseq's speech_to_text task serves both speech tasks: the names
+    of the model's training subset and data config tell them apart (``train_asr``,
+    ``config_st.yaml``), else it is "speech to text"."""
+    name = loaded.cfg.task._name
+    if name == "speech_to_text":
+        names = [loaded.cfg.dataset.train_subset, loaded.cfg.task.config_yaml]
+        words = set(re.split(r"[^a-z0-9]+", " ".join(map(str, names)).lower()))
+        found = {text for word, text in SPEECH_TASK_WORDS.items() if word in words}
+        return found.pop() if len(found) == 1 else "speech to text"
+    description = TASK_DESCRIPTIONS.get(name, name)
+    pair = [getattr(loaded.task.cfg, side, None) for side in ("source_lang", "target_lang")]
+    if description == "translation" and all(pair):
+        description += f" ({pair[0]}-{pair[1]})"
+    return description
+
+
 def _saved_data_dir(state) -> Optional[str]:
     cfg = state.get("cfg")
     if cfg is not None and cfg.get("task") is not None:
@@ -326,12 +358,16 @@ def _progress(items, enabled: bool):
 
 
 def load_subset(task, subset: str):
-    """The task's dataset of ``subset``, or a one-line error naming it."""
+    """The task's dataset of ``subset``, or a one-line error naming it; an empty subset too,
+    whose report would describe no sentence."""
     try:
         task.load_dataset(subset)
     except FileNotFoundError as error:
         raise AnalysisInputError(f"cannot load subset {subset!r}: {error}") from None
-    return task.dataset(subset)
+    dataset = task.dataset(subset)
+    if len(dataset) == 0:
+        raise AnalysisInputError(f"subset {subset!r} holds no sentences; choose another")
+    return dataset
 
 
 def text_dataset(loaded: LoadedModel, args) -> LanguagePairDataset:

@@ -4,7 +4,7 @@ A spec is data (a YAML/JSON mapping, a preset name, or a file) of this shape::
 
     name: 1loc7tied-all6
     encoder_self:                 # also decoder_self, decoder_cross
-      all:                        # layer selector: N, "A-B", "A,B,C" or "all"
+      all:                        # layer selector: N, "A-B" (A <= B), "A,B,C" or "all"
         [identity, identity@0, prev-1@0, prev-2@0, next-1@0, next-2@0, band-1@0, band-2@0]
 
 Each head joins mechanisms with ``+`` (``MASK``, ``gaussian``, ``WINDOW``; each at most once, e.g.
@@ -39,6 +39,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
+from ..cli_types import layer_selection
 from .fixed_masks import MaskBounds, parse_mask
 from .gaussian import CENTRE_CONVENTIONS, DEFAULT_CENTRE_CONVENTION, WINDOW_STRATEGIES
 from .head_gates import DEFAULT_GATE_INIT, DEFAULT_LOG_ALPHA_INIT, DEFAULT_TEMPERATURE, GATE_INITS
@@ -222,29 +223,10 @@ def _canonical(config):
 
 
 def _layer_indices(selector, num_layers, where):
-    if str(selector).strip() == "all":
-        return list(range(num_layers))
-    else:
-        parts = []
-        for piece in str(selector).split(","):
-            piece = piece.strip()
-            try:
-                if "-" in piece[1:]:
-                    a, b = piece.split("-", 1)
-                    parts.extend(range(int(a), int(b) + 1))
-                else:
-                    parts.append(int(piece))
-            except ValueError:
-                raise LocalitySpecError(
-                    f"{where}: layer selector {selector!r} is not N, 'A-B', 'A,B' or 'all'"
-                ) from None
-    for layer in parts:
-        if not 0 <= layer < num_layers:
-            raise LocalitySpecError(
-                f"{where}: layer {layer} does not exist; the model has {num_layers} layers "
-                f"(numbered 0-{num_layers - 1})"
-            )
-    return parts
+    try:
+        return layer_selection(selector, num_layers)
+    except ValueError as error:
+        raise LocalitySpecError(f"{where}: {error}") from None
 
 
 def _parse_head(token, layer, where, segment_size=DEFAULT_SEGMENT_SIZE):
@@ -415,6 +397,11 @@ class LocalitySpec:
             )
         if isinstance(rel["attention"], str):
             rel["attention"] = [a.strip() for a in rel["attention"].split(",")]
+        if not rel["attention"]:  # max_distance on no attention type would change nothing
+            raise LocalitySpecError(
+                "relative_positions: attention names no attention type; give encoder_self "
+                "and/or decoder_self, or leave out max_distance"
+            )
         for attn_type in rel["attention"]:
             if attn_type not in SELF_ATTENTION_TYPES:
                 raise LocalitySpecError(
@@ -427,6 +414,11 @@ class LocalitySpec:
         types = gates["attention"]
         if isinstance(types, str):
             types = [t.strip() for t in types.split(",") if t.strip()]
+            if not types:  # [] is how a spec says "no gates"; a string names types
+                raise LocalitySpecError(
+                    f"head_gates: attention {gates['attention']!r} names no attention type; "
+                    f"give {', '.join(ATTENTION_TYPES)} (or enc, dec, cross), or [] for none"
+                )
         types = [ATTENTION_TYPE_ALIASES.get(t, t) for t in types]
         for attn_type in types:
             if attn_type not in ATTENTION_TYPES:

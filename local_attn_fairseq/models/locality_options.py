@@ -5,6 +5,7 @@ head-gate queries the L0 criterion makes.
 
 import logging
 
+from .. import cli_types
 from ..checkpoint_files import current_fairseq_train_run
 from ..criterions.l0_penalty import adds_l0_penalty, l0_criterion_names
 from ..locality import head_gates
@@ -142,16 +143,10 @@ def with_command_line_settings(config: dict, cfg) -> dict:
     ):
         if getattr(cfg, option, None) is not None:
             localness[key] = getattr(cfg, option)
-    if getattr(cfg, "localness_layers", None):
+    # "is not None": an empty value selects nothing and is refused, not skipped
+    if getattr(cfg, "localness_layers", None) is not None:
         layers = dict(localness.get("layers") or {})
-        layers.update(
-            _per_type_entries(
-                cfg.localness_layers,
-                "--localness-layers",
-                "ATTENTION_TYPE:LAYERS",
-                "encoder_self:0-2",
-            )
-        )
+        layers.update(_read_option(cli_types.localness_layers, cfg.localness_layers))
         localness["layers"] = layers
     if localness:
         config["localness"] = localness
@@ -160,19 +155,20 @@ def with_command_line_settings(config: dict, cfg) -> dict:
         rel["max_distance"] = cfg.relative_positions
     if getattr(cfg, "relative_positions_values", False):
         rel["values"] = True
-    if getattr(cfg, "relative_positions_attention", None):
-        rel["attention"] = cfg.relative_positions_attention.split(",")
+    if getattr(cfg, "relative_positions_attention", None) is not None:
+        rel["attention"] = _read_option(
+            cli_types.attention_type_list,
+            cfg.relative_positions_attention,
+            "--relative-positions-attention",
+        )
     if rel:
         config["relative_positions"] = rel
     windows = dict(config.get("dynamic_window") or {})
     if getattr(cfg, "dynamic_window_segment_size", None) is not None:
         windows["segment_size"] = cfg.dynamic_window_segment_size
-    if getattr(cfg, "dynamic_window", None):
+    if getattr(cfg, "dynamic_window", None) is not None:
         layers = dict(windows.get("layers") or {})
-        entries = _per_type_entries(
-            cfg.dynamic_window, "--dynamic-window", "TYPE:METHOD:LAYERS", "encoder_self:aw:0-2"
-        )
-        for attn_type, rest in entries.items():
+        for attn_type, rest in _read_option(cli_types.dynamic_windows, cfg.dynamic_window).items():
             if rest == "none":
                 layers.pop(attn_type, None)
             else:
@@ -181,9 +177,9 @@ def with_command_line_settings(config: dict, cfg) -> dict:
     if windows:
         config["dynamic_window"] = windows
     gates = dict(config.get("head_gates") or {})
-    if getattr(cfg, "head_gates", None):
-        given = cfg.head_gates.strip()
-        gates["attention"] = [] if given == "none" else [t for t in given.split(",") if t]
+    if getattr(cfg, "head_gates", None) is not None:
+        given = _read_option(cli_types.attention_type_list, cfg.head_gates, "--head-gates")
+        gates["attention"] = [] if given == ["none"] else given
     if getattr(cfg, "head_gate_temperature", None) is not None:
         gates["temperature"] = cfg.head_gate_temperature
     if getattr(cfg, "head_gate_log_alpha_init", None) is not None:
@@ -197,15 +193,12 @@ def with_command_line_settings(config: dict, cfg) -> dict:
     return config
 
 
-def _per_type_entries(value: str, option: str, syntax: str, example: str) -> dict:
-    """``"TYPE:REST TYPE:REST ..."`` of a command-line option -> {TYPE: REST}."""
-    entries = {}
-    for entry in value.split():
-        attn_type, sep, rest = entry.partition(":")
-        if not sep:
-            raise LocalitySpecError(f"{option} entry {entry!r} is not {syntax} (e.g. {example})")
-        entries[attn_type] = rest
-    return entries
+def _read_option(read, value, *option):
+    """``read(value, *option)`` of a cli_types reader, its ValueError as a LocalitySpecError."""
+    try:
+        return read(value, *option)
+    except ValueError as error:
+        raise LocalitySpecError(str(error)) from None
 
 
 def add_locality_args(parser):
@@ -328,7 +321,10 @@ def first_layers(n, num_layers):
 def default_dynamic_window(args, layout: dict):
     """An arch's default windows, {attention type: "METHOD:LAYERS"}, for the attention types that
     neither --dynamic-window nor the spec of --locality-config sets ("TYPE:none" turns one off)."""
-    given = getattr(args, "dynamic_window", None) or ""
+    given = getattr(args, "dynamic_window", None)
+    if given is not None and not given.split():
+        return  # selects nothing: refused when the spec is built, not filled with the defaults
+    given = given or ""
     named = {entry.partition(":")[0] for entry in given.split()}
     config = load_spec_config(getattr(args, "locality_config", None))
     named |= set((config.get("dynamic_window") or {}).get("layers") or {})

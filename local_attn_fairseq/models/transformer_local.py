@@ -185,7 +185,8 @@ def transformer_local_tied_iwslt_de_en(args):
 @register_model_architecture("transformer_local", "transformer_localness")
 def transformer_localness(args):
     """Yang et al.'s default: query-specific windows in encoder layers 1-3 (0-2 here)."""
-    if not getattr(args, "localness_layers", None):
+    # an empty --localness-layers is refused when the spec is built, not replaced by the default
+    if getattr(args, "localness_layers", None) is None:
         args.localness_layers = "encoder_self:0-2"
     transformer_local_base(args)
 

@@ -23,6 +23,8 @@ import re
 
 import yaml
 
+from ..cli_types import SELECTING_OPTIONS
+
 # The repository: the recipes are read from its configs/recipes, beside this package.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_DIR = os.path.join(ROOT, "configs", "recipes")
@@ -153,10 +155,12 @@ def get_row(recipe, name):
             f"average.last {average.get('last')!r}: the number of checkpoints to average, a "
             "whole number of at least 1 (e.g. --override average.last=5)"
         )
+    args = deep_merge(train.get("args", {}), row.get("args", {}))
+    check_selecting_options(args)
     return {
         "name": name,
         "arch": row.get("arch", train["arch"]),
-        "args": deep_merge(train.get("args", {}), row.get("args", {})),
+        "args": args,
         "average": average,
         "evaluate": deep_merge(recipe.get("evaluate", {}), row.get("evaluate", {})),
         "paper": row.get("paper", {}),
@@ -169,6 +173,20 @@ def get_row(recipe, name):
         "chosen": deep_merge(recipe.get("chosen", {}), row.get("chosen", {})),
         "departures": deep_merge(recipe.get("departures", {}), row.get("departures", {})),
     }
+
+
+def check_selecting_options(args):
+    """A row's fairseq-train options that select layers or attention types, read as the plugin
+    reads them: one that selects nothing is named before any stage runs, not by fairseq-train
+    once the data is prepared."""
+    for option, read in SELECTING_OPTIONS.items():
+        value = args.get(option)
+        if value is None or value is False:  # left out of the command line
+            continue
+        try:
+            read(str(value))
+        except ValueError as error:
+            raise RecipeError(str(error)) from None
 
 
 def settings_not_from_paper(chosen, departures):

@@ -1,5 +1,6 @@
 """Fixtures of the analysis tests: a hand-written CoNLL-U file, its sentences as raw text, a
-checkpoint with learned windows, and the ``local-attn-analyze`` command."""
+checkpoint with learned windows, a pre-LN translation checkpoint (what the contributions
+decomposition takes), and the ``local-attn-analyze`` command."""
 
 import json
 from pathlib import Path
@@ -47,6 +48,14 @@ def window_checkpoint(tiny_data, tmp_path_factory):
     """fairseq-train of a tiny model with both kinds of learned windows."""
     save_dir = tmp_path_factory.mktemp("ckpt_windows")
     train_tiny(tiny_data, save_dir, *WINDOW_MODEL)
+    return save_dir / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="session")
+def translation_checkpoint(tiny_data, tmp_path_factory):
+    """fairseq-train of a tiny pre-LN de-en translation model."""
+    save_dir = tmp_path_factory.mktemp("ckpt_pre_ln")
+    train_tiny(tiny_data, save_dir, "--encoder-normalize-before")
     return save_dir / "checkpoint_last.pt"
 
 

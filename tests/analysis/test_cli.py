@@ -2,7 +2,10 @@
 (the file or option and what to do), exit status 2, no traceback; and an output folder that
 the tool did not create is not written into without ``--overwrite``."""
 
+import shutil
+
 import pytest
+from fairseq.data import indexed_dataset
 
 from .conftest import analyze
 
@@ -57,3 +60,28 @@ def test_a_folder_of_someone_else_is_not_written_into(window_checkpoint, tiny_da
     assert (out / "windows_dynamic.png").exists()
     # from now on the folder is the tool's own: a second run needs no option
     analyze(*options)
+
+
+@pytest.fixture
+def empty_subset(tiny_data, tmp_path):
+    """The tiny corpus's dictionaries with a binarised subset ``empty`` of no sentence (in
+    fairseq's lazy format: its default, mmap, cannot map the empty data file at all)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for lang in ("de", "en"):
+        shutil.copy(tiny_data / "bin" / f"dict.{lang}.txt", data)
+        prefix = str(data / f"empty.de-en.{lang}")
+        indexed_dataset.make_builder(prefix + ".bin", impl="lazy").finalize(prefix + ".idx")
+    return data
+
+
+@pytest.mark.parametrize("subcommand", ["windows", "heads", "bias", "sensitivity", "contributions"])
+def test_an_empty_subset_is_named(
+    subcommand, empty_subset, window_checkpoint, translation_checkpoint, tmp_path
+):
+    # taken as given, it makes a report of no sentence, or a failure later in other words
+    checkpoint = translation_checkpoint if subcommand == "contributions" else window_checkpoint
+    proc = analyze(subcommand, "--path", checkpoint, "--data", empty_subset, "--gen-subset",
+                   "empty", "--output-dir", tmp_path / "out", "--cpu", check=False)  # fmt: skip
+    assert_one_line_error(proc, "subset 'empty' holds no sentences")
+    assert not (tmp_path / "out").exists()

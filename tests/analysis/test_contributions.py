@@ -2,6 +2,7 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from fairseq.models.speech_to_text.s2t_transformer import S2TTransformerModel, s
 from ..speech_data import asr_checkpoint, build_s2t, padded_fbank
 from local_attn_fairseq.analysis import cli
 from local_attn_fairseq.analysis import contributions as contrib
+from local_attn_fairseq.analysis.loading import task_description
 from local_attn_fairseq.models.s2t_transformer_local import (
     S2TTransformerLocalModel,
     parse_windows,
@@ -218,22 +220,22 @@ def run_contributions_cli(tmp_path_factory, *extra):
 
 
 def table_1_rows(printed):
-    """{label: [(layer, star, mu, sigma, w, CL mean, CL std, used)]} of the printed blocks."""
-    rows, label = {}, None
+    """[(label, [(layer, star, mu, sigma, w, CL mean, CL std, used)])] of the printed blocks, in
+    order."""
+    blocks = []
     for line in printed.splitlines():
         if ": " in line and " sentences, t = " in line:
-            label = line.split(":")[0]
-            rows[label] = []
+            blocks.append((line.split(": ")[0], []))
         parts = line.replace("+-", " ").split()
-        if label and parts and parts[0].isdigit():
+        if blocks and parts and parts[0].isdigit():
             star = parts[1] == "*"
             parts = [parts[0]] + parts[1 + star :]
             used = parts[8] if len(parts) > 8 else None
-            rows[label].append(
+            blocks[-1][1].append(
                 (int(parts[0]), star, float(parts[1]), float(parts[2]), int(parts[3]),
                  float(parts[4]), float(parts[5]), used)
             )  # fmt: skip
-    return rows
+    return blocks
 
 
 def test_contributions_cli_end_to_end(tmp_path_factory, capsys):
@@ -242,22 +244,25 @@ def test_contributions_cli_end_to_end(tmp_path_factory, capsys):
     assert "--encoder-attention-windows" in printed
     assert "Algorithm 1 per-sentence width 2i; w = ceil(mu + sigma), made odd" in printed
     assert "(*) standard self-attention in windows.txt: CL >= 0.25" in printed
-    # one Table-1 block per model, line by line the numbers of contributions.json
-    rows = table_1_rows(printed)
-    assert sorted(rows) == ["ASR", "ST"]
-    for label, layers in (("ASR", results["layers"]), ("ST", results["compare"]["layers"])):
-        assert [r[0] for r in rows[label]] == [1, 2, 3, 4, 5, 6]
-        for row, s in zip(rows[label], layers):
+    # one Table-1 block per model, titled with its task (the ASR checkpoint twice), line by line
+    # the numbers of contributions.json
+    blocks = table_1_rows(printed)
+    assert [label for label, _ in blocks] == ["speech recognition"] * 2
+    assert results["label"] == results["compare"]["label"] == "speech recognition"
+    for (_, rows), layers in zip(blocks, (results["layers"], results["compare"]["layers"])):
+        assert [r[0] for r in rows] == [1, 2, 3, 4, 5, 6]
+        for row, s in zip(rows, layers):
             assert row[2:7] == (
                 round(s["window_mean"], 2), round(s["window_std"], 2), s["window"],
                 round(s["contribution_loss_mean"], 2), round(s["contribution_loss_std"], 2),
             )  # fmt: skip
-    for row, s in zip(rows["ASR"], results["layers"]):
+    for row, s in zip(blocks[0][1], results["layers"]):
         assert row[1] == (s["chosen_window"] == 0)
         assert row[7] == ("global" if s["chosen_window"] == 0 else str(s["chosen_window"]))
     assert results["num_sentences"] == 5 and len(results["layers"]) == 6
     assert results["width_convention"] == "2i"
     compared = [{k: v for k, v in s.items() if k != "chosen_window"} for s in results["layers"]]
+    assert results["compare"]["task"] == results["task"] == "speech recognition"
     assert results["compare"]["layers"] == compared  # the same checkpoint twice
     windows = (out / "windows.txt").read_text().strip()
     assert windows == results["encoder_attention_windows"]
@@ -294,3 +299,53 @@ def test_contributions_cli_names_a_missing_subset(tmp_path_factory, capsys):
     )  # fmt: skip
     assert code == 2
     assert "cannot load subset 'test_asr'" in capsys.readouterr().err
+
+
+def test_the_report_of_a_translation_checkpoint_names_translation(
+    translation_checkpoint, tiny_data, tmp_path, capsys
+):
+    # the title names what the model was trained for, never a fixed "ASR"
+    out = tmp_path / "out"
+    code = cli.main(
+        ["contributions", "--path", str(translation_checkpoint), "--data", str(tiny_data / "bin"),
+         "--gen-subset", "valid", "--num-sentences", "3", "--output-dir", str(out), "--cpu"]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert [label for label, _ in table_1_rows(printed)] == ["translation (de-en)"]
+    assert "ASR" not in printed
+    results = json.loads((out / "contributions.json").read_text())
+    assert results["label"] == results["task"] == "translation (de-en)"
+
+
+def test_a_label_given_replaces_the_task_in_the_title(tmp_path_factory, capsys):
+    _, results = run_contributions_cli(tmp_path_factory, "--label", "mine", "--compare-label", "b")
+    assert [label for label, _ in table_1_rows(capsys.readouterr().out)] == ["mine", "b"]
+    assert results["task"] == "speech recognition" and results["compare"]["label"] == "b"
+
+
+def loaded_model(task, train_subset="train", config_yaml=None, langs=(None, None)):
+    """What task_description reads of a loaded checkpoint: its task and training data."""
+    task_cfg = SimpleNamespace(_name=task, config_yaml=config_yaml)
+    cfg = SimpleNamespace(task=task_cfg, dataset=SimpleNamespace(train_subset=train_subset))
+    task_object = SimpleNamespace(cfg=SimpleNamespace(source_lang=langs[0], target_lang=langs[1]))
+    return SimpleNamespace(cfg=cfg, task=task_object)
+
+
+@pytest.mark.parametrize(
+    "loaded, description",
+    [
+        (loaded_model("translation", langs=("de", "en")), "translation (de-en)"),
+        (loaded_model("translation_multi_simple_epoch"), "translation"),
+        (loaded_model("speech_to_text", "train_asr", "config_asr.yaml"), "speech recognition"),
+        (loaded_model("speech_to_text", "train_st"), "speech translation"),
+        (loaded_model("speech_to_text", "train", "config_st.yaml"), "speech translation"),
+        (loaded_model("speech_to_text", "train_asr,train_st"), "speech to text"),
+        (loaded_model("speech_to_text", "train", "config.yaml"), "speech to text"),
+        (loaded_model("language_modeling"), "language model"),
+        (loaded_model("sentence_prediction"), "sentence classification"),
+        (loaded_model("audio_pretraining"), "audio_pretraining"),
+    ],
+)  # fmt: skip
+def test_the_task_of_a_checkpoint_in_words(loaded, description):
+    assert task_description(loaded) == description

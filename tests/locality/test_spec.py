@@ -148,6 +148,56 @@ def test_wrong_specs_are_rejected_with_the_problem_named(config, message):
         spec(config)
 
 
+# Each of these selects no layer or attention type (read literally, "2-0" is range(2, 1)): taken
+# as given, the model would train the plain Transformer there without a word.
+BAND = ["band-1"] * 8
+BACKWARDS = "runs backwards and selects no layer"
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"encoder_self": {"2-0": BAND}},
+         f"encoder_self layer 2-0: layer selector '2-0' {BACKWARDS}; write '0-2'"),
+        ({"encoder_self": {"0,4-3": BAND}}, f"layer selector '0,4-3': the range '4-3' {BACKWARDS}"),
+        ({"encoder_self": {"": BAND}}, "encoder_self layer : layer selector '' selects no layer"),
+        ({"localness": {"layers": {"encoder_self": "2-0"}}},
+         f"localness layers encoder_self: layer selector '2-0' {BACKWARDS}"),
+        ({"localness": {"layers": {"decoder_self": ""}}},
+         "localness layers decoder_self: layer selector '' selects no layer"),
+        ({"dynamic_window": {"layers": {"encoder_self": "aw:5-1"}}},
+         f"dynamic_window layers encoder_self: layer selector '5-1' {BACKWARDS}"),
+        ({"dynamic_window": {"layers": {"encoder_self": "mw:"}}},
+         "dynamic_window layers encoder_self: layer selector '' selects no layer"),
+        ({"head_gates": {"attention": " , "}},
+         "head_gates: attention ' , ' names no attention type"),
+        ({"relative_positions": {"max_distance": 4, "attention": []}},
+         "relative_positions: attention names no attention type"),
+    ],
+)  # fmt: skip
+def test_selectors_that_select_nothing_are_refused(config, message):
+    with pytest.raises(LocalitySpecError) as error:
+        spec(config)
+    assert message in str(error.value)
+
+
+def test_layer_selectors_select_what_they_name():
+    s = spec(
+        {
+            "encoder_self": {"0-1": ["band-1"] * 8, "3, 5": ["prev-1"] * 8},
+            "localness": {"layers": {"decoder_self": "all"}},
+            "dynamic_window": {"layers": {"decoder_cross": "aw:2 - 3"}},
+        }
+    )  # fmt: skip
+    assert [masks(s, layer)[0] for layer in range(6)] == [
+        "band-1", "band-1", "global", "prev-1", "global", "prev-1"
+    ]  # fmt: skip
+    assert all(h.gaussian for layer in range(6) for h in s.heads("decoder_self", layer))
+    assert [s.heads("decoder_cross", layer)[0].window for layer in range(6)] == [
+        None, None, "aw", "aw", None, None
+    ]  # fmt: skip
+
+
 def test_malformed_yaml_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("encoder_self: [unclosed\n")

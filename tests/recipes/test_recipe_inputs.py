@@ -194,6 +194,28 @@ def test_recipe_refuses_a_text_vocabulary_size_that_is_not_one(tmp_path, value, 
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("localness-layers=encoder_self:2-0",
+         "--localness-layers entry encoder_self:2-0: layer selector '2-0' runs backwards"),
+        ("dynamic-window=encoder_self:aw:0-2 decoder_self:mw:4-1",
+         "--dynamic-window entry decoder_self:mw:4-1: layer selector '4-1' runs backwards"),
+        ("dynamic-window=", "--dynamic-window '' selects nothing"),
+        ('head-gates=""', "--head-gates '' names no attention type"),
+    ],
+)  # fmt: skip
+def test_recipe_refuses_an_option_that_selects_nothing_before_any_stage(
+    tmp_path, override, message, capsys
+):
+    # fairseq-train would refuse it only once the data is prepared (a dry run printed it)
+    argv = ["--work-dir", tmp_path / "w", "--override", override]
+    assert recipe(*argv, "--dry-run") == 2
+    one_line_error(capsys.readouterr().err, f"error: {message}")
+    assert recipe(*argv, "--stage", "prepare") == 2
+    assert not (tmp_path / "w").exists()
+
+
 def write_raw_dir(folder, empty=(), folders=()):
     """A --raw-dir in the simple layout: {train,valid,test}.{en,de}."""
     folder.mkdir()
