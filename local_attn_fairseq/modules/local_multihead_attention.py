@@ -40,7 +40,8 @@ as its additive mask (steps 2-6 in one call).
 
 The call signature, incremental state and returned weights follow
 ``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
-generator and alignment code use it unchanged.
+generator and alignment code use it unchanged. A decoder self-attention layer whose every head
+is causal-local keeps only the keys its windows still reach in that state (``rolling_cache``).
 """
 
 import math
@@ -64,6 +65,7 @@ from ..locality.spec import LOCALNESS_DEFAULTS, HeadSpec
 from ..ops import mechanisms
 from ..ops.band_with_global_lse import all_keys_logsumexp, band_of_full_softmax
 from ..ops.banded_attention import banded_attention, draw_dropout_keep
+from .rolling_cache import RollingWindowCache
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
@@ -138,6 +140,8 @@ class LocalMultiheadAttention(nn.Module):
         self.band_heads = [h for h, b in enumerate(self.mask_bounds) if not b.is_global]
         self.local_heads = [h for h, b in enumerate(bounds) if b.renormalised]
         self.global_heads = [h for h, b in enumerate(bounds) if b.is_global]
+        # decoding keeps only the keys the windows still reach where every head is causal-local
+        self.rolling_cache = RollingWindowCache.for_layer(self.head_specs, causal, self_attention)
 
         def source(h):
             return all_specs[h].qk_owner or (layer_index, h)
@@ -872,11 +876,15 @@ class LocalMultiheadAttention(nn.Module):
             src_len=k.size(2),
             static_kv=static_kv,
         )
+        if key_padding_mask is not None:  # fairseq appends in float; the banded operator takes bool
+            key_padding_mask = key_padding_mask.bool()
         saved_state["prev_key"] = k
         saved_state["prev_value"] = v
         saved_state["prev_key_padding_mask"] = key_padding_mask
         for name, value in extra_keys.items():
             saved_state[f"prev_{name}"] = value
+        if self.rolling_cache is not None:
+            self.rolling_cache.drop_unreachable(saved_state)
         return k, v, key_padding_mask, extra_keys
 
     def _extra_key_names(self) -> List[str]:

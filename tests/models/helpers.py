@@ -1,6 +1,7 @@
 """Build plugin models through fairseq's own argument parsing, as fairseq-train does."""
 
 import math
+import shutil
 
 import torch
 from fairseq import options, tasks
@@ -43,6 +44,21 @@ def assert_incremental_decoding_matches_full_forward(model, task):
             for t in range(prev.size(1))
         ]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+
+
+def target_side_lm_data(tiny_data, root):
+    """(translation data, LM data): the tiny translation data with its target dictionary as
+    dict.txt (where fairseq reads an LM's dictionary for --lm-path and fairseq-interactive), and
+    the target side binarised with that dictionary for a language model."""
+    small, mt = tiny_data / "small", root / "mt"
+    shutil.copytree(tiny_data / "bin", mt)
+    shutil.copy(mt / "dict.en.txt", mt / "dict.txt")
+    fairseq_cli(
+        "fairseq-preprocess", "--only-source", "--trainpref", small / "train.en",
+        "--validpref", small / "valid.en", "--srcdict", mt / "dict.en.txt",
+        "--destdir", root / "lm-bin", "--workers", 1,
+    )  # fmt: skip
+    return mt, root / "lm-bin"
 
 
 def generate(data, checkpoint, *extra):

@@ -3,7 +3,6 @@ fairseq-eval-lm, the sequence generator's incremental decoding, and the stored s
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from local_attn_fairseq.locality.spec import LocalitySpecError
 from local_attn_fairseq.modules.head_pruning import prune_checkpoint
 
 from ..conftest import USER_DIR, fairseq_cli
-from .helpers import build_model
+from .helpers import build_model, target_side_lm_data
 
 LM_TINY = (
     "--task language_modeling --decoder-embed-dim 32 --decoder-ffn-embed-dim 64 "
@@ -302,14 +301,7 @@ def test_fairseq_generate_fuses_a_plugin_lm_into_a_plugin_translation_model(
     encoder heads and a language model with Gaussian localness, both decoding step by step in
     the beam. fairseq reads the LM's dictionary as dict.txt from the translation data, so the LM
     is trained on the target side with the translation's target dictionary."""
-    small, mt = tiny_data / "small", tmp_path / "mt"
-    shutil.copytree(tiny_data / "bin", mt)
-    shutil.copy(mt / "dict.en.txt", mt / "dict.txt")
-    fairseq_cli(
-        "fairseq-preprocess", "--only-source", "--trainpref", small / "train.en",
-        "--validpref", small / "valid.en", "--srcdict", mt / "dict.en.txt",
-        "--destdir", tmp_path / "lm-bin", "--workers", 1,
-    )  # fmt: skip
+    mt, _ = target_side_lm_data(tiny_data, tmp_path)
     fairseq_cli(
         "fairseq-train", tmp_path / "lm-bin", "--user-dir", USER_DIR, "--arch",
         "transformer_lm_local_tiny", *LM_TINY, *LM_TRAIN, "--localness-layers", "decoder_self:0",
