@@ -712,10 +712,10 @@ class LocalMultiheadAttention(nn.Module):
         )
 
     def _can_use_band_lse(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
-        """Pande's band heads (with local and global heads beside them): each kind of head
+        """Heads of several kinds (Pande's band heads, local heads, global heads): each kind
         runs on its own T x T-free path, once sequences are long enough for it to pay."""
         return (
-            self.has_head_masks
+            (self.has_head_masks or bool(self.local_heads and self.global_heads))
             and src_len >= BAND_LSE_MIN_KEYS
             and self._needs_no_matrix(need_weights, before_softmax, tgt_len, src_len, attn_mask)
         )
@@ -802,6 +802,12 @@ class LocalMultiheadAttention(nn.Module):
         return plain_heads and self.groups_are_heads and not (need_weights or before_softmax)
 
     def _fused_attention(self, q, k, v, key_padding_mask, attn_mask):
+        if self.causal and attn_mask is not None and key_padding_mask is None and (
+            q.size(2) == k.size(2)
+        ):  # the decoder's causal mask over a whole sequence: no (T, T) mask to read or test
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self._attention_dropout_p(), is_causal=True
+            )
         mask = _additive_mask(key_padding_mask, attn_mask, q.dtype, q.device)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self._attention_dropout_p()

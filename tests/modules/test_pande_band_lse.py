@@ -163,6 +163,28 @@ def test_a_band_layer_builds_no_sequence_by_sequence_matrix(monkeypatch, lse_rou
     assert torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_local_and_global_heads_take_their_own_paths(causal, monkeypatch):
+    """A layer of local and global heads without band heads (a long-context LM's mixed layer):
+    the local heads on the banded operator, the global ones on fused attention, no T x T
+    logits, and the explicit path's outputs and gradients."""
+    attn = attention(["local-2", "global", "local-5", "global"], causal=causal)
+    x = torch.randn(9, 3, E)
+    mask = {"attn_mask": FUTURE(9)} if causal else {"key_padding_mask": left_padded(3, 9)}
+    assert_paths_agree(attn, x, torch.float32, **mask)
+    monkeypatch.setattr(attention_module, "BAND_LSE_MIN_KEYS", 48)
+    attn.banded_kernel = True
+    length = 1024
+    x = torch.randn(length, 1, E, requires_grad=True)
+    future = {"attn_mask": FUTURE(length)} if causal else {}
+    recorder = TensorRecorder()
+    with recorder:
+        out, _ = attn(x, x, x, need_weights=False, **future)
+        out.sum().backward()
+    assert recorder.largest < length * length / 8  # the explicit path's (B, H, T, T) is 4 T^2
+    assert torch.isfinite(x.grad).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_rows_without_keys_give_zeros_not_nan(dtype):
     attn = attention(LAYOUTS["with-local-and-global"], dtype=dtype).train()
