@@ -24,7 +24,10 @@
 - ``host_overhead``: what one attention call of each mechanism costs against PyTorch's SDPA and
   fairseq's ``MultiheadAttention`` (``benchmarks/host_overhead.py``);
 - ``kernel_results``: the kernel benchmark's JSON records as the docs' table
-  (``benchmarks/results_table.py``).
+  (``benchmarks/results_table.py``);
+- ``long_context``: fairseq's ``transformer_lm`` against ``transformer_lm_local`` at long
+  lengths, training and incremental decoding (``benchmarks/long_context.py``); its
+  ``lm_arguments`` are fairseq-train's arguments for a language model of given sizes.
 
 The scripts in ``scripts/`` and ``benchmarks/`` call these modules.
 """

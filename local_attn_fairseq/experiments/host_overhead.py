@@ -17,9 +17,7 @@ ratio of their medians is what counts. The targets are the issue's: what each me
 per call beyond its peer.
 """
 
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -32,6 +30,7 @@ from torch import Tensor, nn
 from ..modules import head_pruning
 from ..ops.banded_attention import banded_attention
 from .measurement import (
+    DictionaryFolder,
     ForwardBackward,
     alternating_rounds,
     device_seconds_per_call,
@@ -159,30 +158,17 @@ class Row:
 # -- building the rows -------------------------------------------------------------------------
 
 
-class ModelBuilder:
+class ModelBuilder(DictionaryFolder):
     """Models of the translation task built by fairseq's own argument parsing, as fairseq-train
     builds them; the task needs nothing but two small dictionaries."""
 
     def __init__(self):
-        self._folder = tempfile.TemporaryDirectory(prefix="host_overhead_")
-        for lang in ("src", "tgt"):
-            path = os.path.join(self._folder.name, f"dict.{lang}.txt")
-            with open(path, "w", encoding="utf-8") as f:
-                f.writelines(f"w{i} 1\n" for i in range(16))
-
-    def close(self):
-        self._folder.cleanup()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__("host_overhead_", ("src", "tgt"))
 
     def build(self, arch: str, options: Sequence[str] = ()):
         """(model, its parsed arguments, task)."""
         parser = fairseq_options.get_training_parser()
-        command = [self._folder.name, "-s", "src", "-t", "tgt", "--arch", arch, *MODEL_DIMS]
+        command = [self.path, "-s", "src", "-t", "tgt", "--arch", arch, *MODEL_DIMS]
         args = fairseq_options.parse_args_and_arch(parser, [*command, *options])
         task = tasks.setup_task(args)
         return task.build_model(args), args, task

@@ -1,5 +1,6 @@
 """Time, peak memory and operation counts of one call, forward only or forward + backward, on
-CPU or GPU, and the useful work and the least memory traffic of one banded attention call.
+CPU or GPU, and the useful work and the least memory traffic of one banded attention call; a
+folder of made-up dictionaries, from which the benchmarks build fairseq's models without data.
 
 Shared by the benchmarks: every one measures the implementations it compares the same way.
 """
@@ -7,8 +8,9 @@ Shared by the benchmarks: every one measures the implementations it compares the
 import argparse
 import errno
 import os
+import tempfile
 import time
-from typing import Callable, Dict, Iterable, List, Mapping
+from typing import Callable, Dict, Iterable, List, Mapping, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,9 +57,15 @@ def peak_bytes(fn, inputs, backward):
         one_call(fn, inputs, backward)
         synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
+    return cpu_allocation_peak(lambda: one_call(fn, inputs, backward))
+
+
+def cpu_allocation_peak(call: Callable[[], object]) -> int:
+    """Peak of torch's CPU allocations during ``call()``, above what was live before it: the
+    running sum of the allocation events (+bytes, -bytes on free) of torch's profiler."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        one_call(fn, inputs, backward)
+        call()
     # The raw allocation events (+bytes, -bytes on free), in time order, CPU only.
     events = sorted(
         (e.start_ns(), e.nbytes())
@@ -189,6 +197,29 @@ def operations_per_call(call: Callable[[], None]) -> int:
     with OperationCounter() as counter:
         call()
     return counter.count
+
+
+class DictionaryFolder:
+    """A temporary folder of fairseq dictionaries of made-up words, ``dict.<name>.txt`` for each
+    name (``dict.txt`` for ""): all a task reads to build models by fairseq's own argument
+    parsing, as fairseq-train builds them, without data."""
+
+    def __init__(self, prefix: str, names: Sequence[str] = ("",), words: int = 16):
+        self._folder = tempfile.TemporaryDirectory(prefix=prefix)
+        self.path = self._folder.name
+        for name in names:
+            filename = f"dict.{name}.txt" if name else "dict.txt"
+            with open(os.path.join(self.path, filename), "w", encoding="utf-8") as f:
+                f.writelines(f"w{i} 1\n" for i in range(words))
+
+    def close(self):
+        self._folder.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 # The benchmarks' output files. An existing file is replaced only with --overwrite, even one an

@@ -6,6 +6,7 @@ from local_attn_fairseq.experiments.measurement import (
     OperationCounter,
     attention_traffic_bytes,
     band_flops,
+    cpu_allocation_peak,
 )
 
 
@@ -42,3 +43,15 @@ def test_band_flops_count_the_band_clipped_to_the_sequence():
     assert band_flops(2, 3, 100, 9, 16, backward=False) == 4 * 2 * 3 * 100 * 9 * 16
     assert band_flops(2, 3, 100, 9, 16, backward=True) == 3 * 4 * 2 * 3 * 100 * 9 * 16
     assert band_flops(1, 1, 8, 33, 4, backward=False) == 4 * 8 * 8 * 4  # w = 33 > T = 8
+
+
+def test_the_cpu_allocation_peak_counts_what_is_live_at_once():
+    kept = []
+
+    def call():
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        kept.append(torch.empty(1 << 21, dtype=torch.uint8))  # a and this together: 3 MiB
+        del a
+        torch.empty(1 << 20, dtype=torch.uint8)  # 2 + 1 MiB again, freed at once: no new peak
+
+    assert 3 << 20 <= cpu_allocation_peak(call) < (3 << 20) + (1 << 16)

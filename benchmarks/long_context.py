@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Long contexts on the CPU: fairseq's transformer_lm against transformer_lm_local, training and
+decoding.
+
+Three language models of the same sizes (6 layers, 512 dims, 8 heads by default): global
+(fairseq's ``transformer_lm``), local (``transformer_lm_local``, every head ``local-64``) and
+mixed (every layer 2 global heads and 6 ``local-64``).
+
+    python benchmarks/long_context.py                  # T 1024 4096 16384, t 512 2048 8192
+    python benchmarks/long_context.py --quick          # tiny sizes, seconds
+    python benchmarks/long_context.py --lengths 2048 8192 --window 128 --threads 2
+
+Training: words/s of forward + backward + Adam on one sequence of T tokens (median of --rounds
+rounds, the models alternating) and the peak of torch's allocations from building a model
+through two training steps; a model whose estimated memory exceeds --memory-cap-gb, or that
+runs out of memory, is reported as not fitting. Decoding: ms per token at each --decode-lengths
+t (median of the --timing-steps steps ending at t) through fairseq's incremental state, and the
+bytes each layer's cache holds, for global, local with its rolling window cache and local with
+LOCAL_ATTN_FULL_DECODER_CACHE=1, whose logits are compared step by step. The method in detail:
+``local_attn_fairseq/experiments/long_context.py``.
+
+Prints the tables with their ratios and writes the record (JSON) to --output, rewritten after
+every training length so that a run cut short keeps what it measured.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from local_attn_fairseq.cli_types import output_file, positive_int
+from local_attn_fairseq.experiments import long_context
+from local_attn_fairseq.experiments.measurement import (
+    add_overwrite_option,
+    check_output_file,
+    write_output_file,
+)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def positive_number(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:  # also false for NaN
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def parse_args(argv=None):
+    full, quick = long_context.FULL_SIZES, long_context.QUICK_SIZES
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes: T " + " ".join(map(str, quick["lengths"])) + f", {quick['layers']} "
+        f"layers, {quick['dims']} dims, window {quick['window']}, decoding to "
+        f"{max(quick['decode_lengths'])} (options given override them)",
+    )
+    sizes = parser.add_argument_group("sizes (defaults: the full run's; --quick: smaller)")
+    for name, kind, text in (
+        ("lengths", positive_int, "training sequence lengths T"),
+        ("decode-lengths", positive_int, "decoding lengths t at which time and cache are read"),
+    ):
+        default = full[name.replace("-", "_")]
+        sizes.add_argument(f"--{name}", type=kind, nargs="+", help=f"{text} (default {default})")
+    for name, text in (
+        ("layers", "decoder layers"),
+        ("dims", "embedding dims (FFN: 4 x dims)"),
+        ("heads", "attention heads per layer"),
+        ("global-heads", "global heads of each mixed layer, the rest local"),
+        ("window", "keys behind the query of a local head (local-W)"),
+        ("vocab-size", "words in the dictionary (the output layer, the same in every model)"),
+        ("rounds", "alternating training rounds"),
+        ("timing-steps", "decoding steps timed up to each decode length"),
+    ):
+        key = name.replace("-", "_")
+        sizes.add_argument(f"--{name}", type=positive_int, help=f"{text} (default {full[key]})")
+    parser.add_argument(
+        "--memory-cap-gb",
+        type=positive_number,
+        help="GiB a training configuration may need (estimated before it runs), default "
+        f"{full['memory_cap_gb']:g}",
+    )
+    parser.add_argument(
+        "--threads", type=positive_int, help="torch intra-op threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--output",
+        type=output_file,
+        metavar="FILE.json",
+        help="the record (default: benchmarks/results/long_context_cpu.json, with --quick "
+        "long_context_cpu_quick.json)",
+    )
+    add_overwrite_option(parser)
+    args = parser.parse_args(argv)
+    preset = quick if args.quick else full
+    values = {key: getattr(args, key, None) for key in preset}
+    values = {key: preset[key] if value is None else value for key, value in values.items()}
+    values["lengths"] = tuple(sorted(set(values["lengths"])))
+    values["decode_lengths"] = tuple(sorted(set(values["decode_lengths"])))
+    settings = long_context.Settings(**values)
+    if not settings.global_heads < settings.heads:
+        parser.error("--global-heads: must be fewer than --heads (mixed layers need local heads)")
+    if settings.dims % settings.heads:
+        parser.error(f"--dims {settings.dims} is not a multiple of --heads {settings.heads}")
+    if settings.decode_lengths[0] < settings.timing_steps:
+        parser.error(
+            f"--decode-lengths: {settings.decode_lengths[0]} is shorter than --timing-steps "
+            f"{settings.timing_steps}, the steps timed up to it"
+        )
+    if args.output is None:
+        name = "long_context_cpu_quick.json" if args.quick else "long_context_cpu.json"
+        args.output = os.path.join(RESULTS, name)
+    check_output_file(args.output, "--output", args.overwrite)
+    return args, settings
+
+
+def main(argv=None):
+    args, settings = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    record = long_context.run(
+        settings,
+        progress=lambda line: print(f"| long_context | {line}", file=sys.stderr, flush=True),
+        save=lambda record: write_output_file(
+            args.output, "--output", json.dumps(record, indent=1) + "\n"
+        ),
+    )
+    print("\n" + long_context.report(record))
+    print(f"record: {args.output}")
+
+
+if __name__ == "__main__":
+    main()
