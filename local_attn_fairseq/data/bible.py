@@ -60,6 +60,9 @@ _INLINE_TAG = re.compile(r"</?(w|transChange|seg|hi|foreign|name|divineName|rdg)
 # Two word elements with nothing between them are still two words (the WEB has "God</w><w>created").
 _ADJACENT_WORDS = re.compile(r"</w>(?=<w[\s>/])")
 _ANY_TAG = re.compile(r"<[^>]*>")
+# A book's closing element and whatever follows it in the same verse: the WEB module keeps its
+# glossary after the end of Revelation, inside Revelation 22:21.
+_AFTER_BOOK_END = re.compile(r'<div\b(?=[^>]*\beID=)(?=[^>]*\btype="book")[^>]*/>.*', re.S)
 _SPACES = re.compile(r"\s+")
 _SPACE_BEFORE_PUNCTUATION = re.compile(r" +([,.;:!?»”’)])")
 
@@ -99,17 +102,18 @@ def clean_osis(text):
     return _SPACE_BEFORE_PUNCTUATION.sub(r"\1", text)
 
 
-def parse_verses(text):
+def parse_verses(text, clean=clean_osis):
     """{(book, chapter, verse): plain text} from diatheke's output of a whole module.
 
     A verse may span several lines; whatever precedes a reference on its line (diatheke
-    repeats a stale heading before some verses) is not part of any verse.
+    repeats a stale heading before some verses) is not part of any verse. ``clean`` makes a
+    verse's OSIS plain text.
     """
     verses, key, parts = {}, None, []
 
     def close():
         if key is not None:
-            verses[key] = clean_osis(" ".join(parts))
+            verses[key] = clean(" ".join(parts))
 
     for line in text.splitlines():
         if line.startswith("(") and line.strip().strip("()") in (ENGLISH_MODULE, SPANISH_MODULE):
@@ -184,6 +188,25 @@ def read_corpus(books=None):
         parse_verses(module_text(module, books)) for module in (ENGLISH_MODULE, SPANISH_MODULE)
     )
     return align(english, spanish)
+
+
+def verses_in_order(module=ENGLISH_MODULE, books=BOOKS):
+    """[(reference, text)] of one module's verses of ``books`` (names of BOOKS), in canonical
+    order: the Bible as one running text, for a language model. Only these books are asked of
+    diatheke (asked for a range, it runs the deuterocanonical books, whose references are not
+    matched, into Malachi 4:6); what follows the end of a book (the WEB's glossary) and the
+    verses the module leaves empty are left out."""
+    unknown = set(books) - set(BOOKS)
+    if unknown:
+        raise ValueError(f"unknown books {sorted(unknown)}; the names are those of BOOKS")
+
+    def clean(osis):
+        return clean_osis(_AFTER_BOOK_END.sub("", osis))
+
+    verses = parse_verses(module_text(module, books), clean)
+    order = {book: i for i, book in enumerate(BOOKS)}
+    ordered = sorted(verses, key=lambda ref: (order[ref[0]], ref[1], ref[2]))
+    return [(ref, verses[ref]) for ref in ordered if verses[ref]]
 
 
 def write_splits(splits, out_dir, source="en", target="es"):

@@ -7,6 +7,8 @@
   (a progress bar on a terminal, plain periodic lines in logs), and the validation history;
 - ``demo``: baseline against ``transformer_local_tied`` on Ding de-en or Bible en-es, and the
   sizes, schedule and data preparation the other experiments share;
+- ``lm_demo``: fairseq's ``transformer_lm`` against ``transformer_lm_local`` with every head
+  local, on the English Bible as one text, the same training minutes each (``make demo-lm``);
 - ``speech_pipeline``: Alastruey et al.'s steps as fairseq runs them (the speech model and its
   schedule, feature preparation, scoring, the contributions analysis), shared by:
 - ``speech_demo``: the speech study in quick form on spoken Bible verses, with the levels that

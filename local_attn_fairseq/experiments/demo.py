@@ -24,6 +24,7 @@ small-scale study and the training-throughput benchmark.
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -47,7 +48,6 @@ from ..file_safety import (
     check_output_dir,
     claim_output_dir,
     exit_on_os_error,
-    publish,
     remove_leftover_temporaries,
     staged_dir,
 )
@@ -56,11 +56,11 @@ from .fairseq_runner import (
     RunFailed,
     TrainingJob,
     exit_on_failure,
+    kept_output,
     run_tool,
     tool_path,
     train_side_by_side,
     training_finished,
-    up_to_date,
 )
 from .study import encoder_attention_parameters
 from .training_progress import RunLog, console_logging, json_log_options, read_log
@@ -255,33 +255,11 @@ def generated_score(log_path, metric="BLEU"):
     return float(match.group(1))
 
 
-def cached_score(out_path, checkpoint, metric):
-    """The score in a kept fairseq-generate output of ``checkpoint``, or None: absent, older
-    than the checkpoint, or without the score that fairseq-generate prints last."""
-    if not up_to_date(out_path, checkpoint):
-        return None
-    try:
-        return generated_score(out_path, metric)
-    except RunFailed:
-        return None
-
-
 def decode_and_score(argv, checkpoint, out_path, metric="BLEU"):
     """fairseq-generate ``argv`` of ``checkpoint``, its output kept in ``out_path`` and reused
-    while it is newer than the checkpoint; returns its score.
-
-    The output goes to ``<out_path>.partial`` (kept for reading when the decode fails) and is
-    renamed into place only when fairseq-generate succeeded and printed the score, so an
-    interrupted decode is redone instead of being taken for a finished one.
-    """
-    score = cached_score(out_path, checkpoint, metric)
-    if score is not None:
-        return score
-    partial = f"{out_path}.partial"
-    run_tool("fairseq-generate", argv, partial)
-    score = generated_score(partial, metric)
-    publish(partial, out_path)
-    return score
+    while it is newer than the checkpoint (``fairseq_runner.kept_output``); returns its score."""
+    read = functools.partial(generated_score, metric=metric)
+    return kept_output("fairseq-generate", argv, checkpoint, out_path, read)
 
 
 def bleu(bin_dir, checkpoint, out_path):

@@ -6,8 +6,8 @@
   print the equivalent shell command first.
 - ``TrainingJob`` and ``train_side_by_side``: several ``fairseq-train`` runs at once, the cores
   split between them, one live progress line per run.
-- ``training_finished`` and ``up_to_date``: what an earlier run has already done, so a second
-  run only redoes what is missing or stale.
+- ``training_finished``, ``up_to_date`` and ``kept_output``: what an earlier run has already
+  done, so a second run only redoes what is missing or stale.
 """
 
 import contextlib
@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
+from ..file_safety import publish
 from .training_progress import DONE_TRAINING, ProgressDisplay, RunLog
 
 TOOLS = ("fairseq-preprocess", "fairseq-train", "fairseq-generate", "fairseq-eval-lm")
@@ -104,6 +105,27 @@ def up_to_date(output, *sources):
         return False
     written = os.path.getmtime(output)
     return all(written >= os.path.getmtime(source) for source in sources)
+
+
+def kept_output(tool, argv, checkpoint, out_path, read, env=None):
+    """``read(path)`` of what ``tool argv`` printed about ``checkpoint``, kept in ``out_path`` and
+    reused while it is newer than the checkpoint and ``read`` finds its result there.
+
+    ``read`` raises RunFailed when the output lacks the result. The output goes to
+    ``<out_path>.partial`` (kept for reading when the tool fails) and is renamed into place only
+    when the tool succeeded and ``read`` found its result, so an interrupted run of the tool is
+    redone instead of being taken for a finished one.
+    """
+    if up_to_date(out_path, checkpoint):
+        try:
+            return read(out_path)
+        except RunFailed:
+            pass
+    partial = f"{out_path}.partial"
+    run_tool(tool, argv, partial, env)
+    result = read(partial)
+    publish(partial, out_path)
+    return result
 
 
 def threads_per_run(parallel):

@@ -79,19 +79,24 @@ class Validation:
 class RunLog:
     """What one run's log says so far; `update()` reads the lines written since the last call.
 
-    ``max_update`` or ``max_epoch`` (whichever the run stops at) gives the time left.
+    ``max_update``, ``max_epoch`` or ``max_seconds`` (whichever the run stops at) gives the time
+    left. ``max_seconds`` is a budget of training time (fairseq's ``--stop-time-hours``), which
+    fairseq counts across sessions: ``seconds_offset`` is what earlier sessions spent of it.
     """
 
     path: str
     label: str
     max_update: int = None
     max_epoch: int = None
+    max_seconds: float = None
+    seconds_offset: float = 0.0
     epoch: int = 0
     epoch_progress: float = 0.0  # fractional epochs done, from train_inner's "update" field
     num_updates: int = 0
     loss: float = None
     words_per_s: float = None
     updates_per_s: float = None
+    wall: float = None  # this session's seconds at its last logged step
     words_per_s_by_epoch: dict = field(default_factory=dict)  # epoch -> its training words/s
     validations: list = field(default_factory=list)
     finished: bool = False
@@ -145,6 +150,7 @@ class RunLog:
             self.words_per_s = _number(stats, "wps")
             self.updates_per_s = _number(stats, "ups")
             self.epoch_progress = _number(stats, "update") or self.epoch_progress
+            self.wall = _number(stats, "wall")
         elif tag == "train":
             self.epoch_progress = float(self.epoch)
             self.loss = _number(stats, "train_loss") if "train_loss" in stats else self.loss
@@ -164,6 +170,7 @@ class RunLog:
         interrupted earlier part logged beyond it, and their validations, are undone."""
         self.resuming = False
         self.epoch, self.num_updates = epoch, num_updates
+        self.wall = None  # the earlier session's clock
         self.epoch_progress = float(epoch - 1)
         self.validations = [v for v in self.validations if v.num_updates <= num_updates]
         for later in [e for e in self.words_per_s_by_epoch if e >= epoch]:
@@ -178,6 +185,9 @@ class RunLog:
         """Seconds until the cap at the current speed, or None while unknown."""
         if self.finished:
             return 0.0
+        if self.max_seconds:
+            spent = self.seconds_spent()
+            return None if spent is None else max(0.0, self.max_seconds - spent)
         if not self.updates_per_s:
             return None
         if self.max_update:
@@ -187,6 +197,10 @@ class RunLog:
             epochs_left = max(0.0, self.max_epoch - self.epoch_progress)
             return epochs_left * updates_per_epoch / self.updates_per_s
         return None
+
+    def seconds_spent(self):
+        """Training seconds of the budget spent so far, or None before this session logs."""
+        return None if self.wall is None else self.seconds_offset + self.wall
 
     def line(self):
         """One line: label, epoch, updates, loss, words/s, time left."""
@@ -214,6 +228,9 @@ class RunLog:
             return 1.0
         if self.max_update:
             return min(1.0, self.num_updates / self.max_update)
+        if self.max_seconds:
+            spent = self.seconds_spent()
+            return None if spent is None else min(1.0, spent / self.max_seconds)
         if self.max_epoch:
             return min(1.0, self.epoch_progress / self.max_epoch)
         return None

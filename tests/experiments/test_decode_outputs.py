@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from local_attn_fairseq.experiments import demo, speech_pipeline
+from local_attn_fairseq.experiments import demo, fairseq_runner, speech_pipeline
 
 
-def killed_decode(tool, argv, log_path):
+def killed_decode(tool, argv, log_path, env=None):
     """fairseq-generate killed part-way: some hypotheses written, no score yet."""
     with open(log_path, "w", encoding="utf-8") as f:
         f.write("S-0\tein Satz .\nH-0\t-0.5\ta sentence .\n")
@@ -20,7 +20,7 @@ def test_demo_bleu_after_a_killed_decode_decodes_again(tiny_data, trained_checkp
                                                        monkeypatch):  # fmt: skip
     out = tmp_path / "generate-test.txt"
     with monkeypatch.context() as patched:
-        patched.setattr(demo, "run_tool", killed_decode)
+        patched.setattr(fairseq_runner, "run_tool", killed_decode)
         with pytest.raises(KeyboardInterrupt):
             demo.bleu(str(tiny_data / "bin"), str(trained_checkpoint), str(out))
     assert not out.exists()  # nothing under the name a later run reuses
@@ -41,18 +41,17 @@ def test_speech_score_after_a_killed_decode_decodes_again(tmp_path, monkeypatch)
     out.parent.mkdir()
     decoded = []
 
-    def decode(tool, argv, log_path):
+    def decode(tool, argv, log_path, env=None):
         decoded.append(argv)
         with open(log_path, "w", encoding="utf-8") as f:
             f.write("H-0\t-0.5\tsome words\nGenerate tst-COMMON_asr with beam=5: WER: 12.50\n")
         return ""
 
-    for module in (demo, speech_pipeline):  # whichever of them runs fairseq-generate
-        monkeypatch.setattr(module, "run_tool", killed_decode)
+    # fairseq_runner.kept_output runs fairseq-generate for both
+    monkeypatch.setattr(fairseq_runner, "run_tool", killed_decode)
     with pytest.raises(KeyboardInterrupt):
         speech_pipeline.score(str(tmp_path), str(checkpoint), "asr", str(out))
-    for module in (demo, speech_pipeline):
-        monkeypatch.setattr(module, "run_tool", decode)
+    monkeypatch.setattr(fairseq_runner, "run_tool", decode)
     assert speech_pipeline.score(str(tmp_path), str(checkpoint), "asr", str(out)) == 12.5
     assert speech_pipeline.score(str(tmp_path), str(checkpoint), "asr", str(out)) == 12.5
     assert len(decoded) == 1 and "tst-COMMON_asr" in decoded[0]
@@ -64,12 +63,12 @@ def test_a_failed_decode_keeps_its_log_beside_and_nothing_under_the_name(tmp_pat
     checkpoint.write_bytes(b"")
     out = tmp_path / "generate-test.txt"
 
-    def no_score(tool, argv, log_path):
+    def no_score(tool, argv, log_path, env=None):
         with open(log_path, "w", encoding="utf-8") as f:
             f.write("the decode ended without a score\n")
         return ""
 
-    monkeypatch.setattr(demo, "run_tool", no_score)
+    monkeypatch.setattr(fairseq_runner, "run_tool", no_score)
     with pytest.raises(demo.RunFailed, match="no BLEU score"):
         demo.bleu(str(tmp_path), str(checkpoint), str(out))
     assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "generate-test.txt.partial"]

@@ -14,6 +14,7 @@ import pytest
 from local_attn_fairseq.experiments.fairseq_runner import (
     RunFailed,
     TrainingJob,
+    kept_output,
     run_python,
     run_tool,
     threads_per_run,
@@ -100,6 +101,33 @@ def test_training_finished_reads_the_last_words_and_up_to_date_the_times(tmp_pat
     os.utime(older, (time.time() - 10, time.time() - 10))
     assert up_to_date(str(score), str(older))
     assert not up_to_date(str(score), str(older), str(checkpoint))  # every source counts
+
+
+def read_score(path):
+    with open(path) as f:
+        words = f.read().split()
+    if words[:1] != ["score"]:
+        raise RunFailed(f"no score in {path}")
+    return int(words[1])
+
+
+def test_kept_output_is_reused_while_newer_than_its_checkpoint(tmp_path):
+    checkpoint, out = tmp_path / "checkpoint.pt", tmp_path / "out.txt"
+    checkpoint.write_text("weights")
+    os.utime(checkpoint, (time.time() - 10, time.time() - 10))
+
+    def kept(printed):
+        program = ["-c", f"print({printed!r})"]
+        return kept_output(sys.executable, program, str(checkpoint), str(out), read_score)
+
+    assert kept("score 1") == 1
+    assert kept("score 2") == 1 and not os.path.exists(f"{out}.partial")  # the kept output
+    os.utime(checkpoint, (time.time() + 10, time.time() + 10))  # trained again since
+    with pytest.raises(RunFailed, match="no score"):
+        kept("stopped before its score")
+    assert (tmp_path / "out.txt.partial").read_text() == "stopped before its score\n"
+    assert read_score(out) == 1  # an output without its result never takes the name
+    assert kept("score 3") == 3
 
 
 def test_jobs_train_side_by_side_with_the_cores_split_and_one_line_each(tmp_path, capsys):

@@ -124,6 +124,30 @@ def test_a_run_resumed_from_an_earlier_checkpoint_forgets_what_it_trains_again(t
     assert run.line() == "model: epoch 1 | updates 0/100 | loss - | - words/s | starting"
 
 
+def test_a_budget_of_training_time_counts_earlier_sessions(tmp_path):
+    """fairseq's --stop-time-hours counts the training time stored in the checkpoint a run
+    resumes from: the time left is the budget less that and this session's wall clock."""
+    path = tmp_path / "train.log"
+    step = 'x | INFO | train_inner | {{"epoch": 1, "num_updates": "{}", "wall": "{}"}}\n'
+    path.write_text(step.format(10, 100))
+    run = RunLog(str(path), "model", max_seconds=600)
+    run.update()
+    assert run.time_left() == 500.0 and run.progress_fraction() == 100 / 600
+    assert run.line() == "model: epoch 1 | updates 10 | loss - | - words/s | time left 8m20s"
+    # a later session, resumed from a checkpoint that had spent 240 s of the budget
+    resumed = RunLog(str(path), "model", max_seconds=600, seconds_offset=240.0)
+    resumed.continue_log()
+    with open(path, "a") as log:
+        log.write("x | INFO | fairseq.trainer | Loaded checkpoint /r/checkpoint_last.pt "
+                  "(epoch 1 @ 10 updates)\n")  # fmt: skip
+    resumed.update()
+    assert resumed.time_left() is None  # the earlier session's clock no longer counts
+    with open(path, "a") as log:
+        log.write(step.format(20, 60))
+    resumed.update()
+    assert resumed.time_left() == 300.0 and resumed.progress_fraction() == 0.5
+
+
 def test_plain_mode_prints_lines_only_when_due_and_changed(tmp_path):
     path = tmp_path / "train.log"
     path.write_text('x | INFO | train_inner | {"epoch": 1, "update": 0.1, "num_updates": "5", "ups": "1"}\n')

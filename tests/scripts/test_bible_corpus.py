@@ -91,6 +91,25 @@ def test_real_modules_give_aligned_clean_verses():
         bible.read_corpus(["Hezekiah"])
 
 
+def test_verses_in_order_read_one_module_as_running_text():
+    """The language-model demo's text: Malachi ends at its own last verse (asked for a range,
+    diatheke would run the deuterocanonical books into it) and Revelation without the WEB's
+    glossary, which the module keeps inside its last verse."""
+    verses = bible.verses_in_order(books=("Revelation of John", "Malachi"))
+    references = [ref for ref, _ in verses]
+    assert references[0] == ("Malachi", 1, 1) and references == sorted(
+        references, key=lambda ref: (ref[0] != "Malachi", ref[1], ref[2])
+    )
+    text = dict(verses)
+    assert text[("Malachi", 4, 6)].endswith("strike the earth with a curse.”")
+    assert text[("Revelation of John", 22, 21)] == (
+        "The grace of the Lord Jesus Christ be with all the saints. Amen."
+    )
+    assert all(t and not MARKUP.search(t) for _, t in verses)
+    with pytest.raises(ValueError, match="unknown books"):
+        bible.verses_in_order(books=("Tobit",))
+
+
 def test_prepare_bible_writes_book_disjoint_splits(tmp_path):
     out = tmp_path / "raw"
     books = "Genesis,Ruth,Jonah,Philippians,Romans"
