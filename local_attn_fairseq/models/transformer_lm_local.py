@@ -58,8 +58,10 @@ class LocalTransformerLanguageModel(HeadGateQueries, TransformerLanguageModel):
         parser.add_argument(
             "--decoder-post-norm",
             action="store_true",
-            help="layer norm after each sub-layer, as in Vaswani et al.'s Transformer (fairseq's "
-            "LM architectures are always pre-norm, whatever --decoder-normalize-before says)",
+            help="layer norm after each sub-layer, as in Vaswani et al.'s Transformer (these "
+            "architectures take fairseq's base_lm_architecture, which sets pre-norm whatever "
+            "--decoder-normalize-before says; fairseq's own transformer_lm, built from its "
+            "config, is post-norm unless given --decoder-normalize-before)",
         )
 
     @classmethod
