@@ -127,11 +127,30 @@ def parse_override(text):
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise RecipeError(f"--override {text!r} is not KEY=VALUE (e.g. max-update=2)")
-    value = yaml.safe_load(value) if value != "" else ""
+    value = _override_value(text, value)
     path = key.split(".") if "." in key else ["train", "args", key]
     for part in reversed(path):
         value = {part: value}
     return value
+
+
+def _override_value(text, value):
+    """The YAML value of an override; one YAML cannot read is refused in one line, naming the
+    override and where the reading stopped."""
+    if value == "":
+        return ""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or type(error).__name__
+        mark = getattr(error, "problem_mark", None)
+        if mark is not None:
+            line = f"line {mark.line + 1}, " if "\n" in value else ""
+            problem += f" at {line}character {mark.column + 1}"
+        raise RecipeError(
+            f"--override {text!r}: the value {value!r} is not valid YAML ({problem}); give a "
+            "number, a word, a list [a, b] or a mapping {key: value}"
+        ) from None
 
 
 def row_names(recipe):
