@@ -2,6 +2,8 @@
 
 - ``spec``: the locality spec, which says what every head of every attention layer does;
   validated against a model's shape before anything trains;
+- ``layer_selection``: the one reader of layer selectors (``0-2``, ``1,3``, ``all``), for the spec
+  and the command line;
 - ``fixed_masks``: Pande et al.'s fixed binary head masks (local, previous/next, band...);
 - ``gaussian``: Yang et al.'s learned Gaussian localness bias;
 - ``relative_position``: Shaw et al.'s relative position representations (Yang et al.'s setup);

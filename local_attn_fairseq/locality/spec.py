@@ -39,10 +39,10 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from ..cli_types import layer_selection
 from .fixed_masks import MaskBounds, parse_mask
 from .gaussian import CENTRE_CONVENTIONS, DEFAULT_CENTRE_CONVENTION, WINDOW_STRATEGIES
 from .head_gates import DEFAULT_GATE_INIT, DEFAULT_LOG_ALPHA_INIT, DEFAULT_TEMPERATURE, GATE_INITS
+from .layer_selection import layer_selection
 
 ATTENTION_TYPES = ("encoder_self", "decoder_self", "decoder_cross")
 SELF_ATTENTION_TYPES = ("encoder_self", "decoder_self")
