@@ -238,7 +238,8 @@ bool cpu_all_finite(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && t.is_floating_point(),
               "all_finite takes a floating point CPU tensor, got ", t.scalar_type(), " on ",
               t.device());
-  if (t.is_contiguous()) {
+  // in place where the tensor holds its data (not a torch.func wrapper, which has no storage)
+  if (t.is_contiguous() && t.has_storage()) {
     switch (t.scalar_type()) {
       case at::kFloat:
         return exponents_finite<uint32_t>(t, 0x7f800000u);
@@ -252,7 +253,7 @@ bool cpu_all_finite(const at::Tensor& t) {
         break;
     }
   }
-  return at::isfinite(t).all().item<bool>();  // strided views, other floating types
+  return at::isfinite(t).all().item<bool>();  // strided views, wrappers, other floating types
 }
 
 PyObject* all_finite(PyObject*, PyObject* arg) {

@@ -102,7 +102,7 @@ class BandedAttentionFunction : public torch::autograd::Function<BandedAttention
     return refuse_second_derivatives(
         {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
          at::Tensor()},
-        {grads[0], q, k, v}, info());
+        grads, info());
   }
 };
 
@@ -111,6 +111,8 @@ std::tuple<at::Tensor, at::Tensor> banded_forward_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef left,
     at::IntArrayRef right, const c10::optional<at::Tensor>& key_padding_mask,
     const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
+  const OperatorInfo& info = BandedAttentionFunction<pair>::info();
+  refuse_torch_func(info.name, info.torch_route);
   variable_list outputs = BandedAttentionFunction<pair>::apply(
       q, k, v, left, right, key_padding_mask, dropout_keep, scale, dropout_p);
   return {outputs[0], outputs[1]};

@@ -59,6 +59,15 @@ void for_rows(int64_t rows, int64_t inner, const F& body) {
   at::parallel_for(0, rows, grain, body);
 }
 
+bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// A row of a (B, heads, T, ...) layout: its batch, head and query.
+struct Row {
+  int64_t b, h, t;
+  Row(int64_t row, int64_t heads, int64_t tgt_len)
+      : b(row / (heads * tgt_len)), h((row / tgt_len) % heads), t(row % tgt_len) {}
+};
+
 // ---------------------------------------------------------------------------------------------
 // Gaussian localness (Yang et al. 2018, Eqs. 6-9 and 11):
 //   hidden = tanh(query W_p^T), p = hidden U_p^T, z = hidden U_d^T,
@@ -104,8 +113,7 @@ void localness_forward_rows(const LocalnessGeometry& g, const scalar_t* scores,
   const scalar_t offset = static_cast<scalar_t>(g.window_offset);
   for_rows(g.bsz * g.heads * g.tgt_len, g.src_len, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / (g.heads * g.tgt_len), h = (row / g.tgt_len) % g.heads,
-                    t = row % g.tgt_len;
+      const auto [b, h, t] = Row(row, g.heads, g.tgt_len);
       const scalar_t* score = scores + (b * g.tgt_len + t) * g.scores_width;
       const scalar_t c = span(b, t) * sigmoid_of(score[h]);
       const scalar_t d = g.window_given ? window[h]
@@ -136,8 +144,7 @@ void localness_backward_rows(const LocalnessGeometry& g, const scalar_t* grad,
   const scalar_t min_window = static_cast<scalar_t>(g.min_window);
   for_rows(g.bsz * g.heads * g.tgt_len, g.src_len, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / (g.heads * g.tgt_len), h = (row / g.tgt_len) % g.heads,
-                    t = row % g.tgt_len;
+      const auto [b, h, t] = Row(row, g.heads, g.tgt_len);
       const scalar_t* pos = positions + b * g.src_len;
       const scalar_t* gr = grad + row * g.src_len;
       const scalar_t c = centre[row];
@@ -183,8 +190,8 @@ LocalnessForward localness_forward(const at::Tensor& query, const at::Tensor& w_
   const NamedTensor inputs[] = {{&query, "query"}, {&w_p, "w_p"},   {&u_p, "u_p"},
                                 {&span, "span"},   {&length, "length"}, {&positions, "positions"}};
   check_cpu_floats(inputs, op);
-  const bool window_given = window.has_value() && window->defined();
-  TORCH_CHECK(window_given != (u_d.has_value() && u_d->defined()), op,
+  const bool window_given = given(window);
+  TORCH_CHECK(window_given != given(u_d), op,
               ": give U_d (windows from the queries) or the windows, not both");
   TORCH_CHECK(query.dim() == 3 && positions.dim() == 2 && span.dim() == 2 && length.dim() == 2,
               op, ": expected query (B, T, d), span and length (B, T), positions (B, S)");
@@ -206,7 +213,7 @@ LocalnessForward localness_forward(const at::Tensor& query, const at::Tensor& w_
     window_c = window->contiguous();
   }
   at::Tensor logits_c;
-  if (logits.has_value() && logits->defined()) {
+  if (given(logits)) {
     TORCH_CHECK(logits->sizes() == at::IntArrayRef({bsz, heads, tgt_len, src_len}) &&
                     logits->scalar_type() == query.scalar_type(),
                 op, ": logits must be (B, H, T, S) of query's dtype");
@@ -229,16 +236,6 @@ LocalnessForward localness_forward(const at::Tensor& query, const at::Tensor& w_
         f.centre.data_ptr<scalar_t>(), f.window.data_ptr<scalar_t>(), f.out.data_ptr<scalar_t>());
   });
   return f;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_localness_cpu(
-    const at::Tensor& query, const at::Tensor& w_p, const at::Tensor& u_p,
-    const c10::optional<at::Tensor>& u_d, const at::Tensor& span, const at::Tensor& length,
-    const at::Tensor& positions, const c10::optional<at::Tensor>& window,
-    const c10::optional<at::Tensor>& logits, double window_offset, double min_window) {
-  LocalnessForward f = localness_forward(query, w_p, u_p, u_d, span, length, positions, window,
-                                         logits, window_offset, min_window);
-  return {f.out, f.centre, f.window};
 }
 
 // What the backward of the bias reads, as its forward saves it.
@@ -297,12 +294,42 @@ LocalnessGrads localness_backward(const variable_list& saved, bool window_given,
   return grads;
 }
 
+// The bias's part of a Function's forward, after its saved tensors (localness_saved's): the
+// settings its backward reads; P and D are outputs without gradients.
+void keep_localness(AutogradContext* ctx, const LocalnessForward& l, const at::Tensor& query,
+                    const c10::optional<at::Tensor>& window, double min_window) {
+  ctx->saved_data["query_shape"] = query.sizes().vec();
+  ctx->saved_data["window_given"] = given(window);
+  ctx->saved_data["min_window"] = min_window;
+  ctx->mark_non_differentiable({l.centre, l.window});
+  ctx->set_materialize_grads(false);  // P and D have none
+}
+
+// Into `result`, the gradients of the bias's arguments, which both operators that compute it
+// take in one order from position `query` on: query, W_p, U_p, U_d, span, length, positions,
+// window. From what keep_localness and localness_saved kept.
+void localness_gradients(AutogradContext* ctx, const variable_list& saved,
+                         const at::Tensor& grad, int64_t query, variable_list& result) {
+  const LocalnessGrads g =
+      localness_backward(saved, ctx->saved_data["window_given"].toBool(),
+                         ctx->saved_data["min_window"].toDouble(), grad);
+  result[query] = g.query2d.view(ctx->saved_data["query_shape"].toIntVector());
+  result[query + 1] = g.w_p;
+  result[query + 2] = g.u_p;
+  result[query + 3] = g.u_d;
+  result[query + 7] = g.window;
+}
+
 class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocalnessFunction> {
  public:
-  static const OperatorInfo& info();
-
   // argument positions, for the gradients
   enum { kQuery, kWp, kUp, kUd, kSpan, kLength, kPositions, kWindow, kLogits, kArgs = 11 };
+
+  static const OperatorInfo& info() {
+    static const OperatorInfo info =
+        mechanism_operator("gaussian_localness", {kQuery, kWp, kUp, kUd, kWindow, kLogits});
+    return info;
+  }
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
                                const at::Tensor& w_p, const at::Tensor& u_p,
@@ -314,48 +341,20 @@ class GaussianLocalnessFunction : public torch::autograd::Function<GaussianLocal
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     LocalnessForward f = localness_forward(query, w_p, u_p, u_d, span, length, positions,
                                            window, logits, window_offset, min_window);
-    keep_gradient_sources(ctx, {query, w_p, u_p, u_d, window, logits});
     ctx->save_for_backward(localness_saved(f, w_p, span, length, positions));
-    ctx->saved_data["shape"] = query.sizes().vec();
-    ctx->saved_data["window_given"] = window.has_value() && window->defined();
-    ctx->saved_data["logits_given"] = logits.has_value() && logits->defined();
-    ctx->saved_data["min_window"] = min_window;
-    ctx->mark_non_differentiable({f.centre, f.window});
-    ctx->set_materialize_grads(false);  // P and D have none
+    keep_localness(ctx, f, query, window, min_window);
+    ctx->saved_data["logits_given"] = given(logits);
     return {f.out, f.centre, f.window};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list result(kArgs);
     if (!grads[0].defined()) return result;
-    const LocalnessGrads g =
-        localness_backward(ctx->get_saved_variables(), ctx->saved_data["window_given"].toBool(),
-                           ctx->saved_data["min_window"].toDouble(), grads[0]);
-    result[kQuery] = g.query2d.view(ctx->saved_data["shape"].toIntVector());
-    result[kWp] = g.w_p;
-    result[kUp] = g.u_p;
-    result[kUd] = g.u_d;
-    result[kWindow] = g.window;
+    localness_gradients(ctx, ctx->get_saved_variables(), grads[0], kQuery, result);
     if (ctx->saved_data["logits_given"].toBool()) result[kLogits] = grads[0];  // weight 1
-    return refuse_second_derivatives(ctx, result, grads, info());
+    return refuse_second_derivatives(result, grads, info());
   }
 };
-
-const OperatorInfo& GaussianLocalnessFunction::info() {
-  static const OperatorInfo info =
-      mechanism_operator("gaussian_localness", {kQuery, kWp, kUp, kUd, kWindow, kLogits});
-  return info;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_localness_autograd(
-    const at::Tensor& query, const at::Tensor& w_p, const at::Tensor& u_p,
-    const c10::optional<at::Tensor>& u_d, const at::Tensor& span, const at::Tensor& length,
-    const at::Tensor& positions, const c10::optional<at::Tensor>& window,
-    const c10::optional<at::Tensor>& logits, double window_offset, double min_window) {
-  variable_list outputs = operator_autograd<GaussianLocalnessFunction>(
-      query, w_p, u_p, u_d, span, length, positions, window, logits, window_offset, min_window);
-  return {outputs[0], outputs[1], outputs[2]};
-}
 
 // ---------------------------------------------------------------------------------------------
 // Dynamic window mask (Nguyen et al. 2020, Eqs. 7-11): the pointers
@@ -436,8 +435,7 @@ void window_mask_rows(const scalar_t* phi, scalar_t* mask, const WindowGeometry&
     scalar_t *l_most = sums.data(), *l_least = l_most + n, *r_most = l_least + n,
              *r_least = r_most + n;
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / (g.heads * g.tgt_len), h = (row / g.tgt_len) % g.heads,
-                    t = row % g.tgt_len;
+      const auto [b, h, t] = Row(row, g.heads, g.tgt_len);
       const scalar_t* left = phi + ((b * 2 * g.heads + h) * g.tgt_len + t) * n;
       const scalar_t* right = left + g.heads * g.tgt_len * n;
       boundary_sums(left, right, n, l_most, l_least, r_most, r_least);
@@ -471,8 +469,7 @@ void window_mask_backward_rows(const scalar_t* grad_mask, const scalar_t* phi, d
     std::vector<double> grad_phi(2 * n);
     double *grad_left = grad_phi.data(), *grad_right = grad_left + n;
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / (g.heads * g.tgt_len), h = (row / g.tgt_len) % g.heads,
-                    t = row % g.tgt_len;
+      const auto [b, h, t] = Row(row, g.heads, g.tgt_len);
       const int64_t left_offset = ((b * 2 * g.heads + h) * g.tgt_len + t) * n;
       const int64_t right_offset = left_offset + g.heads * g.tgt_len * n;
       boundary_sums(phi + left_offset, phi + right_offset, n, l_most, l_least, r_most, r_least);
@@ -528,22 +525,22 @@ WindowInputs window_inputs(const at::Tensor& query, const at::Tensor& keys,
   const int64_t bsz = query.size(0), tgt_len = query.size(1), src_len = keys.size(2);
   TORCH_CHECK(keys.size(1) % 2 == 0, "local_attn::dynamic_window_mask: keys hold 2 * heads");
   in.geometry = {bsz, keys.size(1) / 2, tgt_len, src_len, nullptr, nullptr, nullptr};
-  if (visible.has_value() && visible->defined()) {
+  if (given(visible)) {
     TORCH_CHECK(visible->scalar_type() == at::kBool && visible->dim() == 4,
                 "local_attn::dynamic_window_mask: visible must be bool (B, 1, T or 1, S)");
     in.visible_mask = visible->expand({bsz, 1, tgt_len, src_len});
     in.visible = {in.visible_mask.data_ptr<bool>(), in.visible_mask.stride(0),
                   in.visible_mask.stride(2), in.visible_mask.stride(3)};
   }
-  if (real.has_value() && real->defined()) {
+  if (given(real)) {
     TORCH_CHECK(real->scalar_type() == at::kBool &&
                     real->sizes() == at::IntArrayRef({bsz, src_len}),
                 "local_attn::dynamic_window_mask: real must be bool (B, S)");
     in.real = real->contiguous();
     in.geometry.real = in.real.data_ptr<bool>();
   }
-  const bool segments = segment_start.has_value() && segment_start->defined();
-  TORCH_CHECK(segments == (segment_end.has_value() && segment_end->defined()),
+  const bool segments = given(segment_start);
+  TORCH_CHECK(segments == given(segment_end),
               "local_attn::dynamic_window_mask: give both segment bounds or neither");
   if (segments) {
     for (const at::Tensor* bound : {&*segment_start, &*segment_end}) {
@@ -594,16 +591,6 @@ WindowForward window_forward(const at::Tensor& query, const at::Tensor& w_q, con
   return f;
 }
 
-std::tuple<at::Tensor, at::Tensor> dynamic_window_mask_cpu(
-    const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
-    const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
-    const c10::optional<at::Tensor>& segment_start,
-    const c10::optional<at::Tensor>& segment_end) {
-  const WindowInputs in = window_inputs(query, keys, visible, real, segment_start, segment_end);
-  WindowForward f = window_forward(query, w_q, keys, in);
-  return {f.mask, f.phi};
-}
-
 // What the backward of the pointers and the mask reads, as its forward saves it.
 std::vector<at::Tensor> window_saved(const WindowForward& f, const at::Tensor& w_q,
                                      const WindowInputs& in) {
@@ -648,56 +635,56 @@ WindowGrads window_backward(const variable_list& saved, const at::Tensor& grad_m
   return grads;
 }
 
+// The window's part of a Function's forward, after its saved tensors (window_saved's): the
+// settings its backward reads; the pointers are an output without gradients.
+void keep_window(AutogradContext* ctx, const at::Tensor& phi, const at::Tensor& query,
+                 const at::Tensor& keys) {
+  ctx->saved_data["query_shape"] = query.sizes().vec();
+  ctx->saved_data["keys_shape"] = keys.sizes().vec();
+  ctx->mark_non_differentiable({phi});
+  ctx->set_materialize_grads(false);  // the pointers have none
+}
+
+// Into `result`, the gradients of the window's arguments, which the operators that compute it
+// take in one order from position `query` on: query, w_q, keys.
+void window_gradients(AutogradContext* ctx, const WindowGrads& g, int64_t query,
+                      variable_list& result) {
+  result[query] = g.query2d.view(ctx->saved_data["query_shape"].toIntVector());
+  result[query + 1] = g.w_q;
+  result[query + 2] = g.keys.view(ctx->saved_data["keys_shape"].toIntVector());
+}
+
 class DynamicWindowFunction : public torch::autograd::Function<DynamicWindowFunction> {
  public:
-  static const OperatorInfo& info();
-
   enum { kQuery, kWq, kKeys, kArgs = 7 };  // argument positions, for the gradients
 
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
-                               const at::Tensor& w_q, const at::Tensor& keys,
-                               const c10::optional<at::Tensor>& visible,
-                               const c10::optional<at::Tensor>& real,
-                               const c10::optional<at::Tensor>& segment_start,
-                               const c10::optional<at::Tensor>& segment_end) {
+  static const OperatorInfo& info() {
+    static const OperatorInfo info =
+        mechanism_operator("dynamic_window_mask", {kQuery, kWq, kKeys});
+    return info;
+  }
+
+  static variable_list forward(
+      AutogradContext* ctx, const at::Tensor& query, const at::Tensor& w_q,
+      const at::Tensor& keys, const c10::optional<at::Tensor>& visible,
+      const c10::optional<at::Tensor>& real, const c10::optional<at::Tensor>& segment_start,
+      const c10::optional<at::Tensor>& segment_end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const WindowInputs in =
         window_inputs(query, keys, visible, real, segment_start, segment_end);
     WindowForward f = window_forward(query, w_q, keys, in);
-    keep_gradient_sources(ctx, {query, w_q, keys});
     ctx->save_for_backward(window_saved(f, w_q, in));
-    ctx->saved_data["query_shape"] = query.sizes().vec();
-    ctx->saved_data["keys_shape"] = keys.sizes().vec();
-    ctx->mark_non_differentiable({f.phi});
-    ctx->set_materialize_grads(false);  // the pointers have none
+    keep_window(ctx, f.phi, query, keys);
     return {f.mask, f.phi};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list result(kArgs);
     if (!grads[0].defined()) return result;
-    const WindowGrads g = window_backward(ctx->get_saved_variables(), grads[0]);
-    result[kKeys] = g.keys.view(ctx->saved_data["keys_shape"].toIntVector());
-    result[kWq] = g.w_q;
-    result[kQuery] = g.query2d.view(ctx->saved_data["query_shape"].toIntVector());
-    return refuse_second_derivatives(ctx, result, grads, info());
+    window_gradients(ctx, window_backward(ctx->get_saved_variables(), grads[0]), kQuery, result);
+    return refuse_second_derivatives(result, grads, info());
   }
 };
-
-const OperatorInfo& DynamicWindowFunction::info() {
-  static const OperatorInfo info = mechanism_operator("dynamic_window_mask", {kQuery, kWq, kKeys});
-  return info;
-}
-
-std::tuple<at::Tensor, at::Tensor> dynamic_window_mask_autograd(
-    const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
-    const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
-    const c10::optional<at::Tensor>& segment_start,
-    const c10::optional<at::Tensor>& segment_end) {
-  variable_list outputs = operator_autograd<DynamicWindowFunction>(query, w_q, keys, visible, real,
-                                                       segment_start, segment_end);
-  return {outputs[0], outputs[1]};
-}
 
 // ---------------------------------------------------------------------------------------------
 // The additive window's term (Nguyen et al. 2020, Eqs. 14-16) of a layer whose every head is an
@@ -724,7 +711,7 @@ LocalScores local_scores(const WindowForward& f, const at::Tensor& local_w,
   TORCH_CHECK(src_len == f.keys.size(1), op, ": local_keys must have the pointers' S keys");
   TORCH_CHECK(local_w.dim() == 2 && local_w.size(0) == heads * local_dim && local_w.size(1) == dim,
               op, ": local_w must be (H d_l, d)");
-  const bool biased = local_b.has_value() && local_b->defined();
+  const bool biased = given(local_b);
   TORCH_CHECK(!biased || (local_b->dim() == 1 && local_b->size(0) == heads * local_dim &&
                           local_b->scalar_type() == f.query2d.scalar_type()),
               op, ": local_b must be (H d_l,) of query's dtype");
@@ -810,31 +797,29 @@ AdditiveGrads additive_window_backward(const variable_list& saved, bool biased, 
 
 class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFunction> {
  public:
-  static const OperatorInfo& info();
-
   // argument positions, for the gradients
   enum { kQuery, kWq, kKeys, kLocalW = 7, kLocalB, kLocalKeys, kArgs = 11 };
 
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
-                               const at::Tensor& w_q, const at::Tensor& keys,
-                               const c10::optional<at::Tensor>& visible,
-                               const c10::optional<at::Tensor>& real,
-                               const c10::optional<at::Tensor>& segment_start,
-                               const c10::optional<at::Tensor>& segment_end,
-                               const at::Tensor& local_w, const c10::optional<at::Tensor>& local_b,
-                               const at::Tensor& local_keys, double scale) {
+  static const OperatorInfo& info() {
+    static const OperatorInfo info = mechanism_operator(
+        "additive_window_term", {kQuery, kWq, kKeys, kLocalW, kLocalB, kLocalKeys});
+    return info;
+  }
+
+  static variable_list forward(
+      AutogradContext* ctx, const at::Tensor& query, const at::Tensor& w_q,
+      const at::Tensor& keys, const c10::optional<at::Tensor>& visible,
+      const c10::optional<at::Tensor>& real, const c10::optional<at::Tensor>& segment_start,
+      const c10::optional<at::Tensor>& segment_end, const at::Tensor& local_w,
+      const c10::optional<at::Tensor>& local_b, const at::Tensor& local_keys, double scale) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const AdditiveForward a = additive_forward(query, w_q, keys, visible, real, segment_start,
                                                segment_end, local_w, local_b, local_keys, scale);
-    keep_gradient_sources(ctx, {query, w_q, keys, local_w, local_b, local_keys});
     ctx->save_for_backward(additive_saved(a.window, w_q, a.in, local_w, a.local));
-    ctx->saved_data["query_shape"] = query.sizes().vec();
-    ctx->saved_data["keys_shape"] = keys.sizes().vec();
+    keep_window(ctx, a.window.phi, query, keys);
     ctx->saved_data["local_keys_shape"] = local_keys.sizes().vec();
-    ctx->saved_data["biased"] = local_b.has_value() && local_b->defined();
+    ctx->saved_data["biased"] = given(local_b);
     ctx->saved_data["scale"] = scale;
-    ctx->mark_non_differentiable({a.window.phi});
-    ctx->set_materialize_grads(false);  // the pointers have none
     return {a.term, a.window.phi};
   }
 
@@ -844,45 +829,13 @@ class AdditiveWindowFunction : public torch::autograd::Function<AdditiveWindowFu
     const AdditiveGrads g = additive_window_backward(
         ctx->get_saved_variables(), ctx->saved_data["biased"].toBool(),
         ctx->saved_data["scale"].toDouble(), grads[0]);
-    result[kQuery] = g.window.query2d.view(ctx->saved_data["query_shape"].toIntVector());
-    result[kWq] = g.window.w_q;
-    result[kKeys] = g.window.keys.view(ctx->saved_data["keys_shape"].toIntVector());
+    window_gradients(ctx, g.window, kQuery, result);
     result[kLocalW] = g.local_w;
     result[kLocalB] = g.local_b;
     result[kLocalKeys] = g.local_keys.view(ctx->saved_data["local_keys_shape"].toIntVector());
-    return refuse_second_derivatives(ctx, result, grads, info());
+    return refuse_second_derivatives(result, grads, info());
   }
 };
-
-const OperatorInfo& AdditiveWindowFunction::info() {
-  static const OperatorInfo info =
-      mechanism_operator("additive_window_term", {
-          kQuery, kWq, kKeys, kLocalW, kLocalB, kLocalKeys});
-  return info;
-}
-
-std::tuple<at::Tensor, at::Tensor> additive_window_term_autograd(
-    const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
-    const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
-    const c10::optional<at::Tensor>& segment_start,
-    const c10::optional<at::Tensor>& segment_end, const at::Tensor& local_w,
-    const c10::optional<at::Tensor>& local_b, const at::Tensor& local_keys, double scale) {
-  variable_list outputs = operator_autograd<AdditiveWindowFunction>(
-      query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b, local_keys,
-      scale);
-  return {outputs[0], outputs[1]};
-}
-
-std::tuple<at::Tensor, at::Tensor> additive_window_term_cpu(
-    const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
-    const c10::optional<at::Tensor>& visible, const c10::optional<at::Tensor>& real,
-    const c10::optional<at::Tensor>& segment_start,
-    const c10::optional<at::Tensor>& segment_end, const at::Tensor& local_w,
-    const c10::optional<at::Tensor>& local_b, const at::Tensor& local_keys, double scale) {
-  const AdditiveForward a = additive_forward(query, w_q, keys, visible, real, segment_start,
-                                             segment_end, local_w, local_b, local_keys, scale);
-  return {a.term, a.window.phi};
-}
 
 // ---------------------------------------------------------------------------------------------
 // Dense attention with the mechanisms' terms (steps 2-6 of the module's order of operations):
@@ -979,48 +932,31 @@ void dense_backward_rows(const DenseGeometry& g, const DenseTerms& terms, const 
   });
 }
 
-DenseTerms dense_terms(const DenseGeometry& g, const at::Tensor& q,
-                       const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& multiplier,
-                       const c10::optional<at::Tensor>& attn_mask,
-                       const c10::optional<at::Tensor>& key_padding_mask,
-                       const c10::optional<at::Tensor>& dropout_keep, double scale,
-                       double dropout_p) {
+// The terms as given (each absent or defined), checked against the call's shapes and made
+// contiguous.
+DenseTerms dense_terms(const DenseGeometry& g, const at::Tensor& q, const DenseTerms& given) {
   const char* op = "local_attn::dense_attention";
-  const std::vector<int64_t> full_sizes{g.bsz, g.heads, g.tgt_len, g.src_len};
-  const at::IntArrayRef full(full_sizes);
-  DenseTerms terms{{}, {}, {}, {}, {}, scale, dropout_p};
-  auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
-  if (given(bias)) {
-    TORCH_CHECK(bias->sizes() == full && bias->scalar_type() == q.scalar_type(), op,
-                ": bias must be (B, H, T, S) of q's dtype");
-    terms.bias = bias->contiguous();
-  }
-  if (given(multiplier)) {
-    TORCH_CHECK(multiplier->sizes() == full && multiplier->scalar_type() == q.scalar_type(), op,
-                ": multiplier must be (B, H, T, S) of q's dtype");
-    terms.multiplier = multiplier->contiguous();
-  }
-  if (given(attn_mask)) {
-    TORCH_CHECK(attn_mask->sizes() == at::IntArrayRef({g.tgt_len, g.src_len}) &&
-                    attn_mask->scalar_type() == q.scalar_type(),
-                op, ": attn_mask must be (T, S) of q's dtype");
-    terms.attn_mask = attn_mask->contiguous();
-  }
-  if (given(key_padding_mask)) {
-    TORCH_CHECK(key_padding_mask->sizes() == at::IntArrayRef({g.bsz, g.src_len}) &&
-                    key_padding_mask->scalar_type() == at::kBool,
-                op, ": key_padding_mask must be bool (B, S)");
-    terms.key_padding_mask = key_padding_mask->contiguous();
-  }
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1)");
-  if (given(dropout_keep)) {
-    TORCH_CHECK(dropout_keep->sizes() == full && dropout_keep->scalar_type() == at::kBool, op,
-                ": dropout_keep must be bool (B, H, T, S)");
-    terms.keep = dropout_keep->contiguous();
-  } else {
-    TORCH_CHECK(dropout_p == 0.0, op, ": dropout_p > 0 needs its dropout_keep mask");
-  }
+  const std::vector<int64_t> full{g.bsz, g.heads, g.tgt_len, g.src_len};
+  auto checked = [op](const at::Tensor& t, at::IntArrayRef sizes, at::ScalarType dtype,
+                      const char* requirement) {
+    if (!t.defined()) return t;
+    TORCH_CHECK(t.sizes() == sizes && t.scalar_type() == dtype, op, ": ", requirement);
+    return t.contiguous();
+  };
+  const at::ScalarType dtype = q.scalar_type();
+  DenseTerms terms = given;
+  terms.bias = checked(given.bias, full, dtype, "bias must be (B, H, T, S) of q's dtype");
+  terms.multiplier =
+      checked(given.multiplier, full, dtype, "multiplier must be (B, H, T, S) of q's dtype");
+  terms.attn_mask = checked(given.attn_mask, {g.tgt_len, g.src_len}, dtype,
+                            "attn_mask must be (T, S) of q's dtype");
+  terms.key_padding_mask = checked(given.key_padding_mask, {g.bsz, g.src_len}, at::kBool,
+                                   "key_padding_mask must be bool (B, S)");
+  TORCH_CHECK(given.dropout_p >= 0.0 && given.dropout_p < 1.0, op,
+              ": dropout_p must be in [0, 1)");
+  terms.keep = checked(given.keep, full, at::kBool, "dropout_keep must be bool (B, H, T, S)");
+  TORCH_CHECK(terms.keep.defined() || given.dropout_p == 0.0, op,
+              ": dropout_p > 0 needs its dropout_keep mask");
   return terms;
 }
 
@@ -1046,8 +982,10 @@ DenseForward dense_forward(const at::Tensor& q, const at::Tensor& k, const at::T
   DenseForward f;
   f.geometry = {q.size(0), q.size(1), q.size(2), k.size(2)};
   const DenseGeometry& g = f.geometry;
-  f.terms = dense_terms(g, q, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
-                        dropout_p);
+  const at::Tensor none;
+  f.terms = dense_terms(g, q, {bias.value_or(none), multiplier.value_or(none),
+                               attn_mask.value_or(none), key_padding_mask.value_or(none),
+                               dropout_keep.value_or(none), scale, dropout_p});
   const int64_t dim = q.size(3);
   f.q = q.reshape({g.bsz * g.heads, g.tgt_len, dim});
   f.k = k.reshape({g.bsz * g.heads, g.src_len, dim});
@@ -1061,18 +999,6 @@ DenseForward dense_forward(const at::Tensor& q, const at::Tensor& k, const at::T
   });
   f.out = at::bmm(weights, f.v).view({g.bsz, g.heads, g.tgt_len, dim});
   return f;
-}
-
-at::Tensor dense_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const c10::optional<at::Tensor>& bias,
-                               const c10::optional<at::Tensor>& multiplier,
-                               const c10::optional<at::Tensor>& attn_mask,
-                               const c10::optional<at::Tensor>& key_padding_mask,
-                               const c10::optional<at::Tensor>& dropout_keep, double scale,
-                               double dropout_p) {
-  return dense_forward(q, k, v, bias, multiplier, attn_mask, key_padding_mask, dropout_keep,
-                       scale, dropout_p)
-      .out;
 }
 
 // What the backward of the attention reads, as its forward saves it.
@@ -1115,62 +1041,67 @@ DenseGrads dense_backward(const variable_list& saved, size_t first, double scale
   return grads;
 }
 
+// The attention's part of a Function whose forward ends in dense_forward: its saved tensors
+// after the mechanism's (`saved`), and its settings; `bias`: whether an additive term was given.
+void save_attention(AutogradContext* ctx, std::vector<at::Tensor> saved, const DenseForward& d,
+                    bool bias, double scale, double dropout_p) {
+  const std::vector<at::Tensor> attention = dense_saved(d);
+  saved.insert(saved.end(), attention.begin(), attention.end());
+  ctx->save_for_backward(saved);
+  ctx->saved_data["bias"] = bias;
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["dropout_p"] = dropout_p;
+}
+
+// Argument positions shared by the attention operators.
+enum AttentionArgument { kQ, kK, kV };
+
+// The attention's gradients from what save_attention kept after the first `first` of `saved`:
+// q's, k's and v's into `result`, and the additive term's (weight 1) at `bias_position`.
+DenseGrads attention_gradients(AutogradContext* ctx, const variable_list& saved, size_t first,
+                               const at::Tensor& grad, int64_t bias_position,
+                               variable_list& result) {
+  DenseGrads d = dense_backward(saved, first, ctx->saved_data["scale"].toDouble(),
+                                ctx->saved_data["dropout_p"].toDouble(), grad);
+  result[kQ] = d.q;
+  result[kK] = d.k;
+  result[kV] = d.v;
+  if (ctx->saved_data["bias"].toBool()) result[bias_position] = d.logits;
+  return d;
+}
+
 class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFunction> {
  public:
-  static const OperatorInfo& info();
+  enum { kBias = 3, kMultiplier, kArgs = 10 };  // argument positions, for the gradients
 
-  enum { kQ, kK, kV, kBias, kMultiplier, kArgs = 10 };  // argument positions, for the gradients
+  static const OperatorInfo& info() {
+    static const OperatorInfo info =
+        mechanism_operator("dense_attention", {kQ, kK, kV, kBias, kMultiplier});
+    return info;
+  }
 
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const c10::optional<at::Tensor>& bias,
-                            const c10::optional<at::Tensor>& multiplier,
-                            const c10::optional<at::Tensor>& attn_mask,
-                            const c10::optional<at::Tensor>& key_padding_mask,
-                            const c10::optional<at::Tensor>& dropout_keep, double scale,
-                            double dropout_p) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const c10::optional<at::Tensor>& bias,
+                               const c10::optional<at::Tensor>& multiplier,
+                               const c10::optional<at::Tensor>& attn_mask,
+                               const c10::optional<at::Tensor>& key_padding_mask,
+                               const c10::optional<at::Tensor>& dropout_keep, double scale,
+                               double dropout_p) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     DenseForward f = dense_forward(q, k, v, bias, multiplier, attn_mask, key_padding_mask,
                                    dropout_keep, scale, dropout_p);
-    keep_gradient_sources(ctx, {q, k, v, bias, multiplier});
-    ctx->save_for_backward(dense_saved(f));
-    ctx->saved_data["bias"] = f.terms.bias.defined();
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    return f.out;
+    save_attention(ctx, {}, f, given(bias), scale, dropout_p);
+    return {f.out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const DenseGrads g =
-        dense_backward(ctx->get_saved_variables(), 0, ctx->saved_data["scale"].toDouble(),
-                       ctx->saved_data["dropout_p"].toDouble(), grads[0]);
     variable_list result(kArgs);
-    result[kQ] = g.q;
-    result[kK] = g.k;
-    result[kV] = g.v;
-    if (ctx->saved_data["bias"].toBool()) result[kBias] = g.logits;
+    const DenseGrads g =
+        attention_gradients(ctx, ctx->get_saved_variables(), 0, grads[0], kBias, result);
     result[kMultiplier] = g.multiplier;
-    return refuse_second_derivatives(ctx, result, grads, info());
+    return refuse_second_derivatives(result, grads, info());
   }
 };
-
-const OperatorInfo& DenseAttentionFunction::info() {
-  static const OperatorInfo info =
-      mechanism_operator("dense_attention", {kQ, kK, kV, kBias, kMultiplier});
-  return info;
-}
-
-at::Tensor dense_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const c10::optional<at::Tensor>& bias,
-                                    const c10::optional<at::Tensor>& multiplier,
-                                    const c10::optional<at::Tensor>& attn_mask,
-                                    const c10::optional<at::Tensor>& key_padding_mask,
-                                    const c10::optional<at::Tensor>& dropout_keep, double scale,
-                                    double dropout_p) {
-  return operator_autograd<DenseAttentionFunction>(q, k, v, bias, multiplier, attn_mask,
-                                                   key_padding_mask, dropout_keep, scale,
-                                                   dropout_p)[0];
-}
-
 
 // ---------------------------------------------------------------------------------------------
 // A layer of Gaussian heads in one call: the Gaussian bias (plus any other additive term, such
@@ -1180,13 +1111,17 @@ at::Tensor dense_attention_autograd(const at::Tensor& q, const at::Tensor& k, co
 
 class GaussianAttentionFunction : public torch::autograd::Function<GaussianAttentionFunction> {
  public:
-  static const OperatorInfo& info();
-
   // argument positions, for the gradients
   enum {
-    kQ, kK, kV, kQuery, kWp, kUp, kUd, kSpan, kLength, kPositions, kWindow, kWindowOffset,
-    kMinWindow, kBias, kMultiplier, kArgs = 20
+    kQuery = 3, kWp, kUp, kUd, kSpan, kLength, kPositions, kWindow, kWindowOffset, kMinWindow,
+    kBias, kMultiplier, kArgs = 20
   };
+
+  static const OperatorInfo& info() {
+    static const OperatorInfo info = mechanism_operator(
+        "gaussian_attention", {kQ, kK, kV, kQuery, kWp, kUp, kUd, kWindow, kBias, kMultiplier});
+    return info;
+  }
 
   static variable_list forward(
       AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1203,19 +1138,9 @@ class GaussianAttentionFunction : public torch::autograd::Function<GaussianAtten
                                            window, bias, window_offset, min_window);
     DenseForward d = dense_forward(q, k, v, l.out, multiplier, attn_mask, key_padding_mask,
                                    dropout_keep, scale, dropout_p);
-    std::vector<at::Tensor> saved = localness_saved(l, w_p, span, length, positions);
-    const std::vector<at::Tensor> attention = dense_saved(d);
-    saved.insert(saved.end(), attention.begin(), attention.end());
-    keep_gradient_sources(ctx, {q, k, v, query, w_p, u_p, u_d, window, bias, multiplier});
-    ctx->save_for_backward(saved);
-    ctx->saved_data["query_shape"] = query.sizes().vec();
-    ctx->saved_data["window_given"] = window.has_value() && window->defined();
-    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["min_window"] = min_window;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->mark_non_differentiable({l.centre, l.window});
-    ctx->set_materialize_grads(false);  // P and D have none
+    save_attention(ctx, localness_saved(l, w_p, span, length, positions), d, given(bias), scale,
+                   dropout_p);
+    keep_localness(ctx, l, query, window, min_window);
     return {d.out, l.centre, l.window};
   }
 
@@ -1224,122 +1149,34 @@ class GaussianAttentionFunction : public torch::autograd::Function<GaussianAtten
     if (!grads[0].defined()) return result;
     const variable_list saved = ctx->get_saved_variables();
     const DenseGrads d =
-        dense_backward(saved, kLocalnessSaved, ctx->saved_data["scale"].toDouble(),
-                       ctx->saved_data["dropout_p"].toDouble(), grads[0]);
-    const LocalnessGrads l =
-        localness_backward(saved, ctx->saved_data["window_given"].toBool(),
-                           ctx->saved_data["min_window"].toDouble(), d.logits);
-    result[kQ] = d.q;
-    result[kK] = d.k;
-    result[kV] = d.v;
-    result[kQuery] = l.query2d.view(ctx->saved_data["query_shape"].toIntVector());
-    result[kWp] = l.w_p;
-    result[kUp] = l.u_p;
-    result[kUd] = l.u_d;
-    result[kWindow] = l.window;
-    if (ctx->saved_data["bias"].toBool()) result[kBias] = d.logits;  // weight 1
+        attention_gradients(ctx, saved, kLocalnessSaved, grads[0], kBias, result);
+    localness_gradients(ctx, saved, d.logits, kQuery, result);
     result[kMultiplier] = d.multiplier;
-    return refuse_second_derivatives(ctx, result, grads, info());
+    return refuse_second_derivatives(result, grads, info());
   }
 };
-
-const OperatorInfo& GaussianAttentionFunction::info() {
-  static const OperatorInfo info =
-      mechanism_operator("gaussian_attention", {
-          kQ, kK, kV, kQuery, kWp, kUp, kUd, kWindow, kBias, kMultiplier});
-  return info;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_attention_autograd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
-    const at::Tensor& w_p, const at::Tensor& u_p, const c10::optional<at::Tensor>& u_d,
-    const at::Tensor& span, const at::Tensor& length, const at::Tensor& positions,
-    const c10::optional<at::Tensor>& window, double window_offset, double min_window,
-    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& multiplier,
-    const c10::optional<at::Tensor>& attn_mask, const c10::optional<at::Tensor>& key_padding_mask,
-    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
-  variable_list outputs = operator_autograd<GaussianAttentionFunction>(
-      q, k, v, query, w_p, u_p, u_d, span, length, positions, window, window_offset, min_window,
-      bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale, dropout_p);
-  return {outputs[0], outputs[1], outputs[2]};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gaussian_attention_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
-    const at::Tensor& w_p, const at::Tensor& u_p, const c10::optional<at::Tensor>& u_d,
-    const at::Tensor& span, const at::Tensor& length, const at::Tensor& positions,
-    const c10::optional<at::Tensor>& window, double window_offset, double min_window,
-    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& multiplier,
-    const c10::optional<at::Tensor>& attn_mask, const c10::optional<at::Tensor>& key_padding_mask,
-    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
-  LocalnessForward l = localness_forward(query, w_p, u_p, u_d, span, length, positions, window,
-                                         bias, window_offset, min_window);
-  DenseForward d = dense_forward(q, k, v, l.out, multiplier, attn_mask, key_padding_mask,
-                                 dropout_keep, scale, dropout_p);
-  return {d.out, l.centre, l.window};
-}
-
 
 // ---------------------------------------------------------------------------------------------
 // A layer of dynamic-window heads of one window in one call: the pointers and M, then the dense
 // attention with M among its multipliers (MW) or AW's term s_loc * M among its additive terms,
 // under one autograd node.
 
-struct WindowAttention {
-  at::Tensor out, phi;
-  std::vector<at::Tensor> saved;  // the window's (and AW's), then the attention's
-};
-
-WindowAttention window_attention_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
-    const at::Tensor& w_q, const at::Tensor& keys, const c10::optional<at::Tensor>& visible,
-    const c10::optional<at::Tensor>& real, const c10::optional<at::Tensor>& segment_start,
-    const c10::optional<at::Tensor>& segment_end, const c10::optional<at::Tensor>& local_w,
-    const c10::optional<at::Tensor>& local_b, const c10::optional<at::Tensor>& local_keys,
-    double local_scale, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& multiplier, const c10::optional<at::Tensor>& attn_mask,
-    const c10::optional<at::Tensor>& key_padding_mask,
-    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
-  auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
-  const bool additive = given(local_w);
-  TORCH_CHECK(additive == given(local_keys), "local_attn::window_attention: give local_w and "
-              "local_keys (the additive window) or neither (the multiplicative one)");
-  WindowAttention result;
-  c10::optional<at::Tensor> bias_total = bias, multiplier_total = multiplier;
-  if (additive) {
-    AdditiveForward a = additive_forward(query, w_q, keys, visible, real, segment_start,
-                                         segment_end, *local_w, local_b, *local_keys, local_scale);
-    result.phi = a.window.phi;
-    bias_total = given(bias) ? a.term.add_(*bias) : a.term;
-    result.saved = additive_saved(a.window, w_q, a.in, *local_w, a.local);
-  } else {
-    const WindowInputs in =
-        window_inputs(query, keys, visible, real, segment_start, segment_end);
-    WindowForward f = window_forward(query, w_q, keys, in);
-    result.phi = f.phi;
-    multiplier_total = given(multiplier) ? f.mask * *multiplier : f.mask;
-    result.saved = window_saved(f, w_q, in);
-    result.saved.insert(result.saved.end(),
-                        {given(multiplier) ? *multiplier : at::Tensor(), f.mask});
-  }
-  DenseForward d = dense_forward(q, k, v, bias_total, multiplier_total, attn_mask,
-                                 key_padding_mask, dropout_keep, scale, dropout_p);
-  const std::vector<at::Tensor> attention = dense_saved(d);
-  result.saved.insert(result.saved.end(), attention.begin(), attention.end());
-  result.out = d.out;
-  return result;
-}
 constexpr size_t kMultiplicativeSaved = kWindowSaved + 2;
 
 class WindowAttentionFunction : public torch::autograd::Function<WindowAttentionFunction> {
  public:
-  static const OperatorInfo& info();
-
   // argument positions, for the gradients
   enum {
-    kQ, kK, kV, kQuery, kWq, kKeys, kLocalW = 10, kLocalB, kLocalKeys, kBias = 14, kMultiplier,
+    kQuery = 3, kWq, kKeys, kLocalW = 10, kLocalB, kLocalKeys, kBias = 14, kMultiplier,
     kArgs = 21
   };
+
+  static const OperatorInfo& info() {
+    static const OperatorInfo info = mechanism_operator(
+        "window_attention",
+        {kQ, kK, kV, kQuery, kWq, kKeys, kLocalW, kLocalB, kLocalKeys, kBias, kMultiplier});
+    return info;
+  }
 
   static variable_list forward(
       AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1353,26 +1190,37 @@ class WindowAttentionFunction : public torch::autograd::Function<WindowAttention
       const c10::optional<at::Tensor>& key_padding_mask,
       const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    WindowAttention w = window_attention_forward(
-        q, k, v, query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b,
-        local_keys, local_scale, bias, multiplier, attn_mask, key_padding_mask, dropout_keep,
-        scale, dropout_p);
-    keep_gradient_sources(ctx, {q, k, v, query, w_q, keys, local_w, local_b, local_keys, bias,
-                                multiplier});
-    ctx->save_for_backward(w.saved);
-    const bool additive = local_w.has_value() && local_w->defined();
+    const bool additive = given(local_w);
+    TORCH_CHECK(additive == given(local_keys), "local_attn::window_attention: give local_w and "
+                "local_keys (the additive window) or neither (the multiplicative one)");
+    std::vector<at::Tensor> saved;  // the window's (and AW's); the attention's follow
+    at::Tensor phi;
+    c10::optional<at::Tensor> bias_total = bias, multiplier_total = multiplier;
+    if (additive) {
+      AdditiveForward a = additive_forward(query, w_q, keys, visible, real, segment_start,
+                                           segment_end, *local_w, local_b, *local_keys,
+                                           local_scale);
+      phi = a.window.phi;
+      bias_total = given(bias) ? a.term.add_(*bias) : a.term;
+      saved = additive_saved(a.window, w_q, a.in, *local_w, a.local);
+      ctx->saved_data["local_keys_shape"] = local_keys->sizes().vec();
+    } else {
+      const WindowInputs in =
+          window_inputs(query, keys, visible, real, segment_start, segment_end);
+      WindowForward f = window_forward(query, w_q, keys, in);
+      phi = f.phi;
+      multiplier_total = given(multiplier) ? f.mask * *multiplier : f.mask;
+      saved = window_saved(f, w_q, in);
+      saved.insert(saved.end(), {given(multiplier) ? *multiplier : at::Tensor(), f.mask});
+    }
+    DenseForward d = dense_forward(q, k, v, bias_total, multiplier_total, attn_mask,
+                                   key_padding_mask, dropout_keep, scale, dropout_p);
+    save_attention(ctx, std::move(saved), d, given(bias), scale, dropout_p);
+    keep_window(ctx, phi, query, keys);
     ctx->saved_data["additive"] = additive;
-    ctx->saved_data["query_shape"] = query.sizes().vec();
-    ctx->saved_data["keys_shape"] = keys.sizes().vec();
-    if (additive) ctx->saved_data["local_keys_shape"] = local_keys->sizes().vec();
-    ctx->saved_data["biased"] = local_b.has_value() && local_b->defined();
-    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["biased"] = given(local_b);
     ctx->saved_data["local_scale"] = local_scale;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->mark_non_differentiable({w.phi});
-    ctx->set_materialize_grads(false);  // the pointers have none
-    return {w.out, w.phi};
+    return {d.out, phi};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -1380,13 +1228,8 @@ class WindowAttentionFunction : public torch::autograd::Function<WindowAttention
     if (!grads[0].defined()) return result;
     const variable_list saved = ctx->get_saved_variables();
     const bool additive = ctx->saved_data["additive"].toBool();
-    const DenseGrads d = dense_backward(
-        saved, additive ? kAdditiveSaved : kMultiplicativeSaved,
-        ctx->saved_data["scale"].toDouble(), ctx->saved_data["dropout_p"].toDouble(), grads[0]);
-    result[kQ] = d.q;
-    result[kK] = d.k;
-    result[kV] = d.v;
-    if (ctx->saved_data["bias"].toBool()) result[kBias] = d.logits;  // weight 1
+    const DenseGrads d = attention_gradients(
+        ctx, saved, additive ? kAdditiveSaved : kMultiplicativeSaved, grads[0], kBias, result);
     WindowGrads window;
     if (additive) {  // AW's term is among the additive terms, weight 1
       AdditiveGrads a = additive_window_backward(saved, ctx->saved_data["biased"].toBool(),
@@ -1399,57 +1242,14 @@ class WindowAttentionFunction : public torch::autograd::Function<WindowAttention
           a.local_keys.view(ctx->saved_data["local_keys_shape"].toIntVector());
       result[kMultiplier] = d.multiplier;
     } else {  // the multipliers' product: M times the given one
-      const at::Tensor &given = saved[kWindowSaved], &mask = saved[kWindowSaved + 1];
-      window = window_backward(saved, given.defined() ? d.multiplier * given : d.multiplier);
-      if (given.defined()) result[kMultiplier] = d.multiplier * mask;
+      const at::Tensor &other = saved[kWindowSaved], &mask = saved[kWindowSaved + 1];
+      window = window_backward(saved, other.defined() ? d.multiplier * other : d.multiplier);
+      if (other.defined()) result[kMultiplier] = d.multiplier * mask;
     }
-    result[kQuery] = window.query2d.view(ctx->saved_data["query_shape"].toIntVector());
-    result[kWq] = window.w_q;
-    result[kKeys] = window.keys.view(ctx->saved_data["keys_shape"].toIntVector());
-    return refuse_second_derivatives(ctx, result, grads, info());
+    window_gradients(ctx, window, kQuery, result);
+    return refuse_second_derivatives(result, grads, info());
   }
 };
-
-const OperatorInfo& WindowAttentionFunction::info() {
-  static const OperatorInfo info =
-      mechanism_operator("window_attention", {
-          kQ, kK, kV, kQuery, kWq, kKeys, kLocalW, kLocalB, kLocalKeys, kBias, kMultiplier});
-  return info;
-}
-
-std::tuple<at::Tensor, at::Tensor> window_attention_autograd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
-    const at::Tensor& w_q, const at::Tensor& keys, const c10::optional<at::Tensor>& visible,
-    const c10::optional<at::Tensor>& real, const c10::optional<at::Tensor>& segment_start,
-    const c10::optional<at::Tensor>& segment_end, const c10::optional<at::Tensor>& local_w,
-    const c10::optional<at::Tensor>& local_b, const c10::optional<at::Tensor>& local_keys,
-    double local_scale, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& multiplier, const c10::optional<at::Tensor>& attn_mask,
-    const c10::optional<at::Tensor>& key_padding_mask,
-    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
-  variable_list outputs = operator_autograd<WindowAttentionFunction>(
-      q, k, v, query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b,
-      local_keys, local_scale, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
-      dropout_p);
-  return {outputs[0], outputs[1]};
-}
-
-std::tuple<at::Tensor, at::Tensor> window_attention_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query,
-    const at::Tensor& w_q, const at::Tensor& keys, const c10::optional<at::Tensor>& visible,
-    const c10::optional<at::Tensor>& real, const c10::optional<at::Tensor>& segment_start,
-    const c10::optional<at::Tensor>& segment_end, const c10::optional<at::Tensor>& local_w,
-    const c10::optional<at::Tensor>& local_b, const c10::optional<at::Tensor>& local_keys,
-    double local_scale, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& multiplier, const c10::optional<at::Tensor>& attn_mask,
-    const c10::optional<at::Tensor>& key_padding_mask,
-    const c10::optional<at::Tensor>& dropout_keep, double scale, double dropout_p) {
-  WindowAttention w = window_attention_forward(
-      q, k, v, query, w_q, keys, visible, real, segment_start, segment_end, local_w, local_b,
-      local_keys, local_scale, bias, multiplier, attn_mask, key_padding_mask, dropout_keep, scale,
-      dropout_p);
-  return {w.out, w.phi};
-}
 
 }  // namespace
 
@@ -1486,34 +1286,36 @@ TORCH_LIBRARY_FRAGMENT(local_attn, m) {
   }
 }
 
-TORCH_LIBRARY_IMPL(local_attn, CPU, m) {
-  m.impl("gaussian_localness", &gaussian_localness_cpu);
-  m.impl("dynamic_window_mask", &dynamic_window_mask_cpu);
-  m.impl("additive_window_term", &additive_window_term_cpu);
-  m.impl("dense_attention", &dense_attention_cpu);
-  m.impl("gaussian_attention", &gaussian_attention_cpu);
-  m.impl("window_attention", &window_attention_cpu);
-  m.impl("gaussian_localness_backward",
-         &BackwardKernel<GaussianLocalnessFunction, decltype(&gaussian_localness_cpu)>::run);
-  m.impl("dynamic_window_mask_backward",
-         &BackwardKernel<DynamicWindowFunction, decltype(&dynamic_window_mask_cpu)>::run);
-  m.impl("additive_window_term_backward",
-         &BackwardKernel<AdditiveWindowFunction, decltype(&additive_window_term_cpu)>::run);
-  m.impl("dense_attention_backward",
-         &BackwardKernel<DenseAttentionFunction, decltype(&dense_attention_cpu)>::run);
-  m.impl("gaussian_attention_backward",
-         &BackwardKernel<GaussianAttentionFunction, decltype(&gaussian_attention_cpu)>::run);
-  m.impl("window_attention_backward",
-         &BackwardKernel<WindowAttentionFunction, decltype(&window_attention_cpu)>::run);
+// An operator's CPU kernel and its `<name>_backward` companion's.
+template <class EagerFunction, size_t Outputs>
+struct CpuKernels {
+  static void impl(torch::Library& m, const std::string& name) {
+    m.impl(name.c_str(), &OperatorKernels<EagerFunction, Outputs>::cpu);
+    m.impl((name + "_backward").c_str(), &OperatorKernels<EagerFunction, Outputs>::backward);
+  }
+};
+
+// An operator's Autograd kernel.
+template <class EagerFunction, size_t Outputs>
+struct AutogradKernel {
+  static void impl(torch::Library& m, const std::string& name) {
+    m.impl(name.c_str(), &OperatorKernels<EagerFunction, Outputs>::autograd);
+  }
+};
+
+// Every operator of this file (its Function and number of outputs), with `Kernels`' kernels.
+template <template <class, size_t> class Kernels>
+void impl_operators(torch::Library& m) {
+  Kernels<GaussianLocalnessFunction, 3>::impl(m, "gaussian_localness");
+  Kernels<DynamicWindowFunction, 2>::impl(m, "dynamic_window_mask");
+  Kernels<AdditiveWindowFunction, 2>::impl(m, "additive_window_term");
+  Kernels<DenseAttentionFunction, 1>::impl(m, "dense_attention");
+  Kernels<GaussianAttentionFunction, 3>::impl(m, "gaussian_attention");
+  Kernels<WindowAttentionFunction, 2>::impl(m, "window_attention");
 }
 
-TORCH_LIBRARY_IMPL(local_attn, Autograd, m) {
-  m.impl("gaussian_localness", &gaussian_localness_autograd);
-  m.impl("dynamic_window_mask", &dynamic_window_mask_autograd);
-  m.impl("additive_window_term", &additive_window_term_autograd);
-  m.impl("dense_attention", &dense_attention_autograd);
-  m.impl("gaussian_attention", &gaussian_attention_autograd);
-  m.impl("window_attention", &window_attention_autograd);
-}
+TORCH_LIBRARY_IMPL(local_attn, CPU, m) { impl_operators<CpuKernels>(m); }
+
+TORCH_LIBRARY_IMPL(local_attn, Autograd, m) { impl_operators<AutogradKernel>(m); }
 
 }  // namespace local_attn

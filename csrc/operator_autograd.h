@@ -1,12 +1,18 @@
-// What every operator of the library promises autograd and PyTorch's custom-operator contract
-// (torch.library.opcheck), beyond its own kernels:
+// What every operator of the library promises autograd, torch.func and PyTorch's custom-operator
+// contract (torch.library.opcheck), beyond its own kernels:
 //
 // * Second derivatives. A backward computed by the kernels is not itself differentiable: under
 //   create_graph its gradients would carry no history, and a gradient of them would come out
-//   silently zero or wrong. `refuse_second_derivatives` gives such gradients a node that refuses
-//   to be differentiated, with one error naming the operator and the route that computes second
-//   derivatives (PyTorch's). First derivatives under create_graph (torch.func.grad, gradient
-//   penalties' first step) still work.
+//   silently zero or wrong. `refuse_second_derivatives` makes such gradients the outputs of a
+//   node that refuses to be differentiated (torch's `Error` node), with one error naming the
+//   operator and the route that computes second derivatives (PyTorch's). The node's edges are
+//   those of the backward's own node (the operator's inputs) and of the incoming gradients:
+//   graph edges, not tensors, so nothing the backward does not read stays allocated from the
+//   forward to the backward. First derivatives under create_graph (a gradient penalty's first
+//   step) still work.
+// * torch.func. Its transforms (grad, vjp, vmap, ...) cannot enter an eager C++ Function: a call
+//   under one is refused by `refuse_torch_func` in one line naming the route, in PyTorch's
+//   operations, where torch.func.grad and torch.func.vjp work.
 // * Tracing. Fake tensors (torch.compile, torch.export, opcheck) have no data for the kernels to
 //   read. An Autograd kernel given such tensors redispatches the operator below autograd (to its
 //   fake kernel while tracing), saves the arguments, and differentiates through the operator's
@@ -17,24 +23,28 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/FuncTorchTLS.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 
 #include <algorithm>
-#include <initializer_list>
+#include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace local_attn {
 
 // One operator of the library as its Autograd kernel sees it (an eager Function's static
 // info()): its name, its backward companion's, which argument positions take gradients, and
-// the route that computes second derivatives.
+// the setting that computes it in PyTorch's operations (its second derivatives, torch.func).
 struct OperatorInfo {
   std::string name;           // "local_attn::<name>"
   std::string backward_name;  // its `<name>_backward` companion
   std::vector<int64_t> differentiable;
-  std::string second_derivative_route;
+  std::string torch_route;
 
   bool takes_gradient(int64_t position) const {
     return std::find(differentiable.begin(), differentiable.end(), position) !=
@@ -46,24 +56,6 @@ namespace operator_autograd_detail {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-class SecondDerivativeRefused : public torch::autograd::Function<SecondDerivativeRefused> {
- public:
-  // gradients: what a backward computed; sources: what they were computed from (the incoming
-  // gradient and the saved inputs), so that differentiating them reaches this node.
-  static variable_list forward(AutogradContext* ctx, at::TensorList gradients,
-                               at::TensorList sources, const std::string& message) {
-    ctx->saved_data["message"] = message;
-    variable_list copies;
-    copies.reserve(gradients.size());
-    for (const at::Tensor& g : gradients) copies.push_back(g.clone());
-    return copies;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list) {
-    TORCH_CHECK(false, ctx->saved_data["message"].toStringRef());
-  }
-};
 
 inline bool is_traced(const at::Tensor& t) {
   return t.defined() && (!t.device().is_cpu() || t.key_set().has(c10::DispatchKey::Python));
@@ -114,54 +106,50 @@ class TracedOperatorFunction : public torch::autograd::Function<TracedOperatorFu
 
 }  // namespace operator_autograd_detail
 
-// An eager Function's differentiable inputs, kept (forward) for the edges of the refusal of
-// second derivatives (backward): what its backward saves need not include them.
-inline void keep_gradient_sources(torch::autograd::AutogradContext* ctx,
-                                  std::initializer_list<c10::optional<at::Tensor>> inputs) {
-  std::vector<at::Tensor> sources;
-  for (const c10::optional<at::Tensor>& t : inputs) {
-    if (t.has_value() && t->defined() && t->requires_grad()) sources.push_back(*t);
+// A call under a torch.func transform, refused in one line: its wrapped tensors cannot enter the
+// kernels, and an eager C++ Function cannot take part in the transform (torch's own check, which
+// the Function would otherwise fail with a message that names neither the operator nor a way out).
+inline void refuse_torch_func(const std::string& name, const std::string& torch_route) {
+  const std::unique_ptr<at::functorch::FuncTorchTLSBase>& functorch =
+      at::functorch::functorchTLSAccessor();
+  if (!functorch) return;  // torch.func has not run on this thread
+  try {
+    functorch->checkSupportsCppAutogradFunction();
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, name, ": torch.func transforms cannot enter the compiled kernels; set ",
+                torch_route,
+                " (PyTorch's operations, where torch.func.grad and torch.func.vjp work)");
   }
-  ctx->saved_data["sources"] = sources;
 }
 
-// The gradients of a backward, unchanged outside create_graph; under it, differentiable only
-// into the refusal of `info`'s second derivatives.
+// The gradients a backward computed, unchanged outside create_graph; under it, outputs of a node
+// that refuses `info`'s second derivatives, with edges to whatever the gradients depend on: the
+// inputs of the running backward's node and the incoming gradients `grad_outputs`.
 inline torch::autograd::variable_list refuse_second_derivatives(
-    torch::autograd::variable_list gradients, const torch::autograd::variable_list& sources,
+    torch::autograd::variable_list gradients, const torch::autograd::variable_list& grad_outputs,
     const OperatorInfo& info) {
   if (!at::GradMode::is_enabled()) return gradients;
-  std::vector<at::Tensor> graph_sources;
-  for (const at::Tensor& s : sources) {
-    if (s.defined() && s.requires_grad()) graph_sources.push_back(s);
+  torch::autograd::edge_list edges;
+  if (const std::shared_ptr<torch::autograd::Node> running = torch::autograd::get_current_node()) {
+    for (const torch::autograd::Edge& edge : running->next_edges()) {
+      if (edge.is_valid()) edges.push_back(edge);
+    }
   }
-  if (graph_sources.empty()) return gradients;
-  std::vector<at::Tensor> defined;
-  for (const at::Tensor& g : gradients) {
-    if (g.defined()) defined.push_back(g);
+  for (const at::Tensor& g : grad_outputs) {
+    if (g.defined() && g.requires_grad()) edges.push_back(torch::autograd::impl::gradient_edge(g));
   }
-  const std::string message = c10::str(
-      info.name, ": second derivatives (a gradient of this operator's gradient) are not computed "
-      "by its compiled kernels; set ", info.second_derivative_route,
-      " to compute them with PyTorch's operations");
-  const torch::autograd::variable_list refused =
-      operator_autograd_detail::SecondDerivativeRefused::apply(
-          at::TensorList(defined), at::TensorList(graph_sources), message);
-  size_t next = 0;
+  if (edges.empty()) return gradients;
+  const auto refusal = std::make_shared<torch::autograd::Error>(
+      c10::str(info.name, ": second derivatives (a gradient of this operator's gradient) are not "
+               "computed by its compiled kernels; set ", info.torch_route,
+               " to compute them with PyTorch's operations"),
+      std::move(edges));
   for (at::Tensor& g : gradients) {
-    if (g.defined()) g = refused[next++];
+    if (!g.defined()) continue;
+    g = g.detach();
+    torch::autograd::set_history(g, refusal);
   }
   return gradients;
-}
-
-// The same, for an eager Function whose forward kept its gradient sources.
-inline torch::autograd::variable_list refuse_second_derivatives(
-    torch::autograd::AutogradContext* ctx, torch::autograd::variable_list gradients,
-    const torch::autograd::variable_list& grad_outputs, const OperatorInfo& info) {
-  if (!at::GradMode::is_enabled()) return gradients;
-  torch::autograd::variable_list sources = ctx->saved_data["sources"].toTensorVector();
-  sources.insert(sources.end(), grad_outputs.begin(), grad_outputs.end());
-  return refuse_second_derivatives(std::move(gradients), sources, info);
 }
 
 inline torch::autograd::variable_list operator_autograd_detail::TracedOperatorFunction::backward(
@@ -172,18 +160,13 @@ inline torch::autograd::variable_list operator_autograd_detail::TracedOperatorFu
   variable_list result(positions.size() + 3);  // the tensors, then info, args and positions
   if (!grads[0].defined()) return result;
   c10::Stack stack{grads[0]};
-  const c10::List<c10::IValue> args = ctx->saved_data["args"].toList();
-  variable_list sources{grads[0]};
-  for (const c10::IValue& value : args) {
-    stack.push_back(value);
-    if (value.isTensor()) sources.push_back(value.toTensor());
-  }
+  for (const c10::IValue& value : ctx->saved_data["args"].toList()) stack.push_back(value);
   find_operator(info.backward_name).callBoxed(&stack);
   const std::vector<at::Tensor> per_argument = stack[0].toTensorVector();
   for (size_t i = 0; i < positions.size(); ++i) {
     if (info.takes_gradient(positions[i])) result[i] = per_argument[positions[i]];
   }
-  return refuse_second_derivatives(result, sources, info);
+  return refuse_second_derivatives(result, grads, info);
 }
 
 // The Autograd kernel's call: the eager Function on real CPU tensors, else the traced path.
@@ -191,6 +174,7 @@ template <class EagerFunction, typename... Args>
 torch::autograd::variable_list operator_autograd(const Args&... args) {
   using namespace operator_autograd_detail;
   const OperatorInfo& info = EagerFunction::info();
+  refuse_torch_func(info.name, info.torch_route);
   if (!(is_traced(args) || ...)) return as_list(EagerFunction::apply(args...));
   const std::vector<c10::IValue> boxed{c10::IValue(args)...};
   std::vector<at::Tensor> tensors;
@@ -274,12 +258,42 @@ std::vector<at::Tensor> recomputed_gradients(const at::Tensor& grad, const Args&
 }
 
 
-// `recomputed_gradients` with the signature of the operator's CPU kernel `Kernel`, for m.impl.
-template <class EagerFunction, typename Kernel>
-struct BackwardKernel;
-template <class EagerFunction, typename R, typename... Args>
-struct BackwardKernel<EagerFunction, R (*)(Args...)> {
-  static std::vector<at::Tensor> run(const at::Tensor& grad, Args... args) {
+namespace operator_autograd_detail {
+
+// The first N of a Function's outputs as an operator returns them: a tensor, or a tuple of N.
+template <size_t... I>
+auto tensor_tuple(const variable_list& outputs, std::index_sequence<I...>) {
+  return std::make_tuple(outputs[I]...);
+}
+template <size_t N>
+auto as_returned(const variable_list& outputs) {
+  if constexpr (N == 1) {
+    return outputs[0];
+  } else {
+    return tensor_tuple(outputs, std::make_index_sequence<N>());
+  }
+}
+
+}  // namespace operator_autograd_detail
+
+// The kernels of an operator with N outputs whose eager Function is `EagerFunction`, with the
+// signature of its forward (after the context), for m.impl: the CPU kernel (the forward,
+// recording nothing), the Autograd kernel (`operator_autograd`) and the CPU kernel of its
+// `<name>_backward` companion (`recomputed_gradients`).
+template <class EagerFunction, size_t N, typename Forward = decltype(&EagerFunction::forward)>
+struct OperatorKernels;
+template <class EagerFunction, size_t N, typename... Args>
+struct OperatorKernels<EagerFunction, N,
+                       torch::autograd::variable_list (*)(torch::autograd::AutogradContext*,
+                                                          Args...)> {
+  static auto cpu(Args... args) {
+    torch::autograd::AutogradContext unrecorded;  // what the forward saves goes nowhere
+    return operator_autograd_detail::as_returned<N>(EagerFunction::forward(&unrecorded, args...));
+  }
+  static auto autograd(Args... args) {
+    return operator_autograd_detail::as_returned<N>(operator_autograd<EagerFunction>(args...));
+  }
+  static std::vector<at::Tensor> backward(const at::Tensor& grad, Args... args) {
     return recomputed_gradients<EagerFunction>(grad, args...);
   }
 };

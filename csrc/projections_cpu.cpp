@@ -13,6 +13,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "operator_autograd.h"
+
 #include <vector>
 
 namespace local_attn {
@@ -150,6 +152,7 @@ std::vector<at::Tensor> project_heads_cpu(const at::Tensor& x, at::TensorList we
 std::vector<at::Tensor> project_heads_autograd(const at::Tensor& x, at::TensorList weights,
                                                const c10::List<c10::optional<at::Tensor>>& biases,
                                                int64_t head_dim) {
+  refuse_torch_func("local_attn::project_heads", "LOCAL_ATTN_MECHANISM_IMPL=torch");
   if (!at::GradMode::is_enabled()) {  // inference: no node to record
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return project_heads_cpu(x, weights, biases, head_dim);
