@@ -88,6 +88,12 @@ _CPU_FLASH_BACKWARD = getattr(
 )
 
 
+def _accumulated(q, k):
+    """q and k in the log-sum-exp's accumulation dtype, contiguous."""
+    acc = banded_reference.compute_dtype(q.dtype)
+    return q.to(acc).contiguous(), k.to(acc).contiguous()
+
+
 class _AllKeysLogSumExp(torch.autograd.Function):
     """Row log-sum-exp over all allowed keys without a T x T matrix, in both directions.
 
@@ -95,53 +101,60 @@ class _AllKeysLogSumExp(torch.autograd.Function):
     LSE, and its output o_i = sum_j a_ij k_j gives dLSE/dq_i = scale * o_i (a: the softmax over
     all keys); dLSE/dk_j = scale * sum_i a_ij q_i is the value gradient of its backward for the
     output gradient scale * q_i. Elsewhere (or with ``block_rows``), per block of queries.
+
+    Forward and ``setup_context`` apart, as torch.func's transforms need: the forward returns
+    LSE and the flash attention's output (None on the blocked route), which the backward reads.
     """
 
     @staticmethod
-    def forward(ctx, q, k, key_padding_mask, scale, causal, block_rows):
-        acc = banded_reference.compute_dtype(q.dtype)
-        qf, kf = q.to(acc).contiguous(), k.to(acc).contiguous()
-        key_bias = _padding_bias(key_padding_mask, acc)
-        flash = block_rows is None and q.device.type == "cpu" and _CPU_FLASH is not None
-        if flash:
+    def forward(q, k, key_padding_mask, scale, causal, block_rows):
+        qf, kf = _accumulated(q, k)
+        key_bias = _padding_bias(key_padding_mask, qf.dtype)
+        if block_rows is None and q.device.type == "cpu" and _CPU_FLASH is not None:
             out, lse = _CPU_FLASH(qf, kf, kf, 0.0, causal, attn_mask=key_bias, scale=scale)
             # rows without keys: flash gives 0 (and a zero output); the log-sum-exp is -inf
             batch, _, length, _ = q.shape
             has_key = _rows_with_keys(key_padding_mask, batch, length, causal, q.device)
-            ctx.save_for_backward(q, k, qf, kf, lse, key_bias, out, has_key)
-            lse = lse.masked_fill(~has_key, float("-inf"))
-        else:
-            lse = _blocked_logsumexp(qf * scale, kf, key_bias, causal, block_rows)
-            ctx.save_for_backward(q, k, qf, kf, lse, key_bias)
-        ctx.settings = (scale, causal, block_rows, flash, q.dtype, k.dtype)
-        ctx.key_padding_mask = key_padding_mask
-        return lse
+            return lse.masked_fill(~has_key, float("-inf")), out
+        return _blocked_logsumexp(qf * scale, kf, key_bias, causal, block_rows), None
 
     @staticmethod
-    def backward(ctx, grad_lse):
-        scale, causal, block_rows, flash, q_dtype, k_dtype = ctx.settings
-        if torch.is_grad_enabled():  # create_graph: differentiable gradients
-            q, k = ctx.saved_tensors[:2]
+    def setup_context(ctx, inputs, output):
+        q, k, key_padding_mask, scale, causal, block_rows = inputs
+        lse, flash_out = output
+        ctx.save_for_backward(q, k, key_padding_mask, lse, flash_out)
+        ctx.settings = (scale, causal, block_rows)
+        if flash_out is not None:
+            ctx.mark_non_differentiable(flash_out)
+
+    @staticmethod
+    def backward(ctx, grad_lse, _):
+        scale, causal, block_rows = ctx.settings
+        q, k, key_padding_mask, lse, flash_out = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph (torch.func too): differentiable gradients
             dq, dk = gradients_with_graph(
-                lambda q, k: _dense_logsumexp(q, k, ctx.key_padding_mask, scale, causal), (q, k),
+                lambda q, k: _dense_logsumexp(q, k, key_padding_mask, scale, causal), (q, k),
                 grad_lse,
             )  # fmt: skip
             return dq, dk, None, None, None, None
-        if flash:
-            _, _, qf, kf, lse, key_bias, out, has_key = ctx.saved_tensors
-            grad = grad_lse.to(lse.dtype).masked_fill(~has_key, 0.0)[..., None] * scale
-            dq = grad * out
+        qf, kf = _accumulated(q, k)
+        key_bias = _padding_bias(key_padding_mask, qf.dtype)
+        grad = grad_lse.to(lse.dtype)
+        if flash_out is not None:
+            batch, _, length, _ = q.shape
+            has_key = _rows_with_keys(key_padding_mask, batch, length, causal, q.device)
+            grad = grad.masked_fill(~has_key, 0.0)[..., None] * scale
+            dq = grad * flash_out
+            # rows without keys take no gradient: any finite log-sum-exp serves them
             _, _, dk = _CPU_FLASH_BACKWARD(
-                (grad * qf).contiguous(), qf, kf, kf, out, lse, 0.0, causal,
-                attn_mask=key_bias, scale=scale,
+                (grad * qf).contiguous(), qf, kf, kf, flash_out, _finite_or_zero(lse), 0.0,
+                causal, attn_mask=key_bias, scale=scale,
             )  # fmt: skip
         else:
-            _, _, qf, kf, lse, key_bias = ctx.saved_tensors
-            grad = grad_lse.to(lse.dtype)
             scaled_q = qf * scale
             dq, dk = _blocked_logsumexp_grad(scaled_q, kf, lse, grad, key_bias, causal, block_rows)
             dq = dq * scale
-        return dq.to(q_dtype), dk.to(k_dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), None, None, None, None
 
 
 def _dense_logsumexp(q, k, key_padding_mask, scale, causal) -> torch.Tensor:
@@ -211,7 +224,7 @@ def all_keys_logsumexp(
         )
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.bool()
-    return _AllKeysLogSumExp.apply(q, k, key_padding_mask, float(scale), causal, block_rows)
+    return _AllKeysLogSumExp.apply(q, k, key_padding_mask, float(scale), causal, block_rows)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,33 +265,37 @@ def _band_of_full_softmax(q, k, v, lse, left, right, key_padding_mask, keep, sca
 
 
 class _BandOfFullSoftmax(torch.autograd.Function):
-    """sum_{j in band} exp(s_ij - LSE_i) v_j for the given LSE (see the module docstring)."""
+    """sum_{j in band} exp(s_ij - LSE_i) v_j for the given LSE (see the module docstring).
+    Forward and ``setup_context`` apart, as torch.func's transforms need."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lse, left, right, key_padding_mask, keep, scale, dropout_p):
-        width = banded_reference.band_width(left, right)
-        band_forward, band_backward = _band_kernels(q, width, dropout_p)
+    def forward(q, k, v, lse, left, right, key_padding_mask, keep, scale, dropout_p):
+        band_forward, _ = _band_kernels(q, banded_reference.band_width(left, right), dropout_p)
         out_band, lse_band = band_forward(
             q, k, v, left, right, key_padding_mask, keep, scale, dropout_p
         )
         # exp(lse_band - LSE): the full softmax's mass inside the band (0 for empty rows)
         kept_mass = torch.exp(lse_band - lse).masked_fill(torch.isneginf(lse), 0.0)
-        out = (out_band.to(lse.dtype) * kept_mass[..., None]).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, keep)
-        ctx.band = (left, right, scale, dropout_p, band_backward)
-        return out
+        return (out_band.to(lse.dtype) * kept_mass[..., None]).to(q.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, lse, left, right, key_padding_mask, keep, scale, dropout_p = inputs
+        ctx.save_for_backward(q, k, v, output, lse, key_padding_mask, keep)
+        ctx.band = (left, right, scale, dropout_p)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, key_padding_mask, keep = ctx.saved_tensors
-        left, right, scale, dropout_p, band_backward = ctx.band
-        if torch.is_grad_enabled():  # create_graph: differentiable gradients
+        left, right, scale, dropout_p = ctx.band
+        if torch.is_grad_enabled():  # create_graph (torch.func too): differentiable gradients
             band = (left, right, key_padding_mask, keep, scale, dropout_p)
             dq, dk, dv, grad_lse = gradients_with_graph(
                 lambda q, k, v, lse: _band_of_full_softmax(q, k, v, lse, *band), (q, k, v, lse),
                 grad_out,
             )  # fmt: skip
             return dq, dk, dv, grad_lse, None, None, None, None, None, None
+        _, band_backward = _band_kernels(q, banded_reference.band_width(left, right), dropout_p)
         grad_out = grad_out.contiguous()
         # Weights exp(s - LSE) with LSE held fixed: no renormalisation term (zero output).
         dq, dk, dv = band_backward(

@@ -352,17 +352,22 @@ _register_python_parts()
 
 class _TorchBandedAttention(torch.autograd.Function):
     """The pure-PyTorch fallback, with the same saved state and backward as the operators, and
-    second derivatives (ops/second_derivatives.py)."""
+    second derivatives (ops/second_derivatives.py). Forward and ``setup_context`` apart, as
+    torch.func's transforms need: ``torch.func.grad`` and ``vjp`` differentiate it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, left, right, key_padding_mask, dropout_keep, scale, dropout_p):
-        out, lse = banded_reference.banded_forward(
+    def forward(q, k, v, left, right, key_padding_mask, dropout_keep, scale, dropout_p):
+        return banded_reference.banded_forward(
             q, k, v, left, right, key_padding_mask, dropout_keep, scale, dropout_p
         )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, left, right, key_padding_mask, dropout_keep, scale, dropout_p = inputs
+        out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, dropout_keep)
         ctx.band = (left, right, scale, dropout_p)
         ctx.mark_non_differentiable(lse)
-        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):

@@ -175,9 +175,9 @@ REFUSING = {
 
 @pytest.mark.parametrize("name", sorted(REFUSING))
 def test_compiled_operators_refuse_second_derivatives(name):
-    """First derivatives under create_graph are the plain ones (torch.func.grad and a gradient
-    penalty's first step need them); a gradient of them is one error naming the operator and
-    the route that computes it, never a silent zero."""
+    """First derivatives under create_graph are the plain ones (a gradient penalty's first step
+    needs them); a gradient of them is one error naming the operator and the route that
+    computes it, never a silent zero."""
     op = getattr(torch.ops.local_attn, name)
     for args in all_samples()[name]:
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
