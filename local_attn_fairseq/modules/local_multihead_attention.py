@@ -69,6 +69,7 @@ from ..locality.spec import LOCALNESS_DEFAULTS, HeadSpec
 from ..ops import mechanisms
 from ..ops.band_with_global_lse import all_keys_logsumexp, band_of_full_softmax
 from ..ops.banded_attention import banded_attention, draw_dropout_keep
+from ..ops.fused_attention import fused_attention
 from .attention_plan import AttentionPlan, Path
 from .incremental_cache import IncrementalKeyCache, IncrementalState
 from .rolling_cache import RollingWindowCache
@@ -764,12 +765,12 @@ class LocalMultiheadAttention(IncrementalKeyCache, nn.Module):
         dropout_p = self._attention_dropout_p()
         if self.plan.kernel_causal(attn_mask, key_padding_mask, tgt_len, src_len):
             # a whole causal sequence: no (T, T) mask to build or read
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return fused_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         mask = self.plan.additive_mask(attn_mask, tgt_len, src_len, q.dtype, q.device)
         if mask is not None:
             mask = mask[None, None]
         mask = _additive_mask(key_padding_mask, mask, q.dtype, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        out = fused_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         if mask is not None:
             # Queries whose keys are all masked: zeros, as in the explicit path.
             no_key = torch.isneginf(mask).all(dim=-1, keepdim=True)
