@@ -40,9 +40,6 @@ def trained_twice(
         built[0].step()
         built[0].step()
 
-    # Garbage of earlier models freed inside the window would count as negative allocations and
-    # lower the peak by its size, as and when Python's collector happens to run: freed first.
-    gc.collect()
     peak = cpu_allocation_peak(build_and_train)
     return built[0], peak
 
@@ -102,7 +99,6 @@ def quadratic_bytes_per_square(model, lengths: Sequence[int]) -> float:
     bound) and the decoder's causal mask, each measured at three short lengths."""
     for p in model.parameters():  # a throwaway model: frozen for the probes only
         p.requires_grad_(False)
-    gc.collect()  # as in trained_twice: no earlier garbage freed inside a probe
     decoder = model.decoder
     mask_peaks = [
         cpu_allocation_peak(lambda t=t: decoder.buffered_future_mask(torch.empty(t, 1, 1)))
