@@ -745,7 +745,9 @@ def banded_attention(
     if not _all_finite(v):
         nonfinite = nonfinite_value_reach(v, band_left, band_right, key_padding_mask)
         values = v.masked_fill(~torch.isfinite(v), 0)
-    keep = draw_dropout_keep((batch, heads, length, width), dropout_p, q.device)
+    # the library routes draw their own dropout mask with their kernels' RNG
+    keep_p = 0.0 if route in LIBRARY_ROUTES else dropout_p
+    keep = draw_dropout_keep((batch, heads, length, width), keep_p, q.device)
     args = (q, k, values, band_left, band_right, key_padding_mask, keep, scale, dropout_p)
     out = _run_route(route, args)
     if nonfinite is not None:
@@ -781,4 +783,5 @@ def _library_route_output(route: str, args) -> torch.Tensor:
         raise RuntimeError(route_table.refusal(IMPL_ENV, route, reasons))
     width = max(left) + max(right) + 1  # a measured cell the adapter refuses: the default rule
     fallback = _automatic_route(q.device, q.dtype, q.shape[-1], width, dropout_p, None)
-    return _run_route(fallback, args)
+    keep = draw_dropout_keep((*q.shape[:3], width), dropout_p, q.device)  # the operator's own
+    return _run_route(fallback, (q, k, v, left, right, key_padding_mask, keep, scale, dropout_p))
