@@ -1,0 +1,61 @@
+"""Claims of README.md and docs/ that no other test checked, each checked here where it is made."""
+
+import os
+import re
+
+import torch
+
+from .conftest import REPO, TRAIN, USER_DIR, fairseq_cli
+from .models.test_combined_mechanisms import COMBINED_MODEL, COMBINED_OPTIONS
+
+
+def test_memory_efficient_fp16_trains_the_combined_model_on_the_cpu(tiny_data, tmp_path):
+    """docs/distributed_and_precision.md, "Mixed precision": fairseq's --memory-efficient-fp16
+    (float16 weights, no float32 copy) trains the model holding every mechanism on the CPU."""
+    proc = fairseq_cli(
+        "fairseq-train", tiny_data / "bin", "--user-dir", USER_DIR, *COMBINED_MODEL, *TRAIN,
+        *COMBINED_OPTIONS, "--max-update", 2, "--save-dir", tmp_path, "--cpu",
+        "--memory-efficient-fp16", "--disable-validation",
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert "num_updates 2" in log and "loss_scale 128" in log, log[-3000:]
+    assert "overflow" not in log and " nan" not in log.lower()
+    checkpoint = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    assert checkpoint["optimizer_history"][-1]["optimizer_name"] == "MemoryEfficientFP16Optimizer"
+    weights = [w for w in checkpoint["model"].values() if w.is_floating_point()]
+    assert weights and all(torch.isfinite(w).all() for w in weights)
+
+
+def package_map_block():
+    with open(os.path.join(REPO, "docs", "package_map.md"), encoding="utf-8") as f:
+        text = f.read()
+    return text.split("```\n")[1]  # the folders' block, the page's first
+
+
+def test_the_package_map_names_every_module_and_no_other():
+    """docs/package_map.md, "The folders": every module of the package is named (a ``*_cli``
+    module of the analyses beside its module of maths), and every file named exists."""
+    block = package_map_block()
+    named = set(re.findall(r"[\w./*]+\.py\b", block))
+    package = os.path.join(REPO, "local_attn_fairseq")
+    modules = {
+        os.path.relpath(os.path.join(folder, name), REPO)
+        for folder, _, files in os.walk(package)
+        for name in files
+        if name.endswith(".py") and not (name == "__init__.py" and folder != package)
+    }
+    basenames = {os.path.basename(m) for m in named}
+    missing = [
+        m for m in sorted(modules)
+        if os.path.basename(m) not in basenames
+        and not (m.endswith("_cli.py") and "*_cli.py" in block
+                 and os.path.basename(m).replace("_cli.py", ".py") in basenames)
+    ]  # fmt: skip
+    assert not missing, f"modules the package map does not name: {missing}"
+    module_names = {os.path.basename(m) for m in modules}
+    gone = [
+        n for n in sorted(named)
+        if "*" not in n and os.path.basename(n) not in module_names
+        and not os.path.exists(os.path.join(REPO, n))
+    ]  # fmt: skip
+    assert not gone, f"files the package map names that do not exist: {gone}"
