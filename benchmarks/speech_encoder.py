@@ -129,13 +129,20 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def encoder_title(args, model_args) -> str:
+    """The table's first words: the encoder's size."""
+    return (
+        f"{TABLE_START}{args.arch}, {model_args.encoder_layers} x d"
+        f"{model_args.encoder_embed_dim}, {model_args.encoder_attention_heads} heads)"
+    )
+
+
 def report_memory(args, models, model_args):
     cap = args.memory_cap_gb * GiB
     lines = [
-        f"{TABLE_START}{args.arch}, {model_args.encoder_layers} x d"
-        f"{model_args.encoder_embed_dim}, {model_args.encoder_attention_heads} heads), training "
-        f"memory of one forward + backward, batch {args.batch}, {device_name(args.device)}, "
-        f"{str(args.dtype).replace('torch.', '')}, torch {torch.__version__}, "
+        f"{encoder_title(args, model_args)}, training memory of one forward + backward, batch "
+        f"{args.batch}, {device_name(args.device)}, {str(args.dtype).replace('torch.', '')}, "
+        f"torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; local windows {args.windows}",
         "",
     ]
@@ -168,9 +175,7 @@ def main(argv=None):
     windows = {name: [int(w) for w in m.attention_windows] for name, m in models.items()}
 
     lines = [
-        f"{TABLE_START}{args.arch}, {model_args.encoder_layers} x d"
-        f"{model_args.encoder_embed_dim}, {model_args.encoder_attention_heads} heads), forward + "
-        f"backward, batch "
+        f"{encoder_title(args, model_args)}, forward + backward, batch "
         f"{args.batch}, {device_name(args.device)}, {str(args.dtype).replace('torch.', '')}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads; local windows {args.windows}; times: median of {args.rounds} rounds",

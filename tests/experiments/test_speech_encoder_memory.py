@@ -55,7 +55,7 @@ def test_memory_report_measures_what_fits_and_only_estimates_the_rest(monkeypatc
     cap = 150 * MiB  # the global encoder needs ~0.1 GiB at 20 s, ~0.3 at 40 s
     report = memory_report(encoders, [40, 20], 1, cap, probe_seconds=PROBES)
     dense, local = report["global"], report["local"]
-    assert [p.seconds for p in dense] == [20, 40] and [p.encoder_frames for p in dense] == [500, 1000]
+    assert [(p.seconds, p.encoder_frames) for p in dense] == [(20, 500), (40, 1000)]
     assert dense[0].fits and not dense[1].fits and dense[1].estimated_bytes > cap
     assert (encoders["global"], 40 * FRAMES_PER_SECOND) not in runs
     assert dense[0].peak_bytes == pytest.approx(dense[0].estimated_bytes, rel=0.15)
