@@ -1,11 +1,14 @@
 """Claims of README.md and docs/ that no other test checked, each checked here where it is made."""
 
+import glob
 import os
 import re
 
+import pytest
 import torch
 
 from .conftest import REPO, TRAIN, USER_DIR, fairseq_cli
+from .test_readme_commands import FENCE, LINK, github_anchors, read
 from .models.test_combined_mechanisms import COMBINED_MODEL, COMBINED_OPTIONS
 
 
@@ -59,3 +62,27 @@ def test_the_package_map_names_every_module_and_no_other():
         and not os.path.exists(os.path.join(REPO, n))
     ]  # fmt: skip
     assert not gone, f"files the package map names that do not exist: {gone}"
+
+
+PAGES = sorted(
+    os.path.relpath(p, REPO)
+    for p in glob.glob(os.path.join(REPO, "docs", "*.md"))
+    + [os.path.join(REPO, "benchmarks", "README.md")]
+)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_link_of_the_docs_points_at_a_file_and_heading_that_exist(page):
+    """What the README's and the index's links are checked for (test_readme_commands), on every
+    page: a reader who follows a link finds the page and the heading it names."""
+    broken = []
+    for target in LINK.findall(FENCE.sub("", read(page))):
+        if re.match(r"^[a-z]+:", target):
+            continue  # a web address
+        path, _, anchor = target.partition("#")
+        resolved = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        if not os.path.exists(os.path.join(REPO, resolved)):
+            broken.append(f"{target}: no file {resolved}")
+        elif anchor and resolved.endswith(".md") and anchor not in github_anchors(resolved):
+            broken.append(f"{target}: {resolved} has no heading #{anchor}")
+    assert not broken, f"{page}: " + "; ".join(broken)
