@@ -7,6 +7,9 @@ import re
 import pytest
 import torch
 
+from local_attn_fairseq.locality.spec import HeadSpec
+from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
+
 from .conftest import REPO, TRAIN, USER_DIR, fairseq_cli
 from .test_readme_commands import FENCE, LINK, github_anchors, read
 from .models.test_combined_mechanisms import COMBINED_MODEL, COMBINED_OPTIONS
@@ -86,3 +89,29 @@ def test_every_link_of_the_docs_points_at_a_file_and_heading_that_exist(page):
         elif anchor and resolved.endswith(".md") and anchor not in github_anchors(resolved):
             broken.append(f"{target}: {resolved} has no heading #{anchor}")
     assert not broken, f"{page}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize(
+    "heads",
+    [
+        [HeadSpec("global")] * 4,
+        [HeadSpec("global", gaussian=True)] * 4,
+        [HeadSpec("global", window="mw")] * 4,
+    ],
+    ids=["global", "gaussian", "mw"],
+)
+def test_torch_func_grad_through_layers_on_pytorchs_operations(monkeypatch, heads):
+    """docs/banded_attention.md, "Second derivatives": with LOCAL_ATTN_MECHANISM_IMPL=torch,
+    torch.func.grad through a layer of global, Gaussian or dynamic-window heads gives autograd's
+    gradient (the C++ operators, which refuse functorch, are then out of the call)."""
+    monkeypatch.setenv("LOCAL_ATTN_MECHANISM_IMPL", "torch")
+    torch.manual_seed(0)
+    attn = LocalMultiheadAttention(16, 4, head_specs=heads, self_attention=True)
+    attn.bind_qk_owners([attn])
+    x = torch.randn(60, 2, 16)
+
+    def loss(x):
+        return attn(x, x, x, need_weights=False)[0].sin().sum()
+
+    expected = torch.autograd.grad(loss(x.requires_grad_()), x)[0]
+    torch.testing.assert_close(torch.func.grad(loss)(x.detach()), expected)
