@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from local_attn_fairseq.experiments import kernel_results
 from local_attn_fairseq.locality.spec import HeadSpec
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
 
@@ -115,3 +116,16 @@ def test_torch_func_grad_through_layers_on_pytorchs_operations(monkeypatch, head
 
     expected = torch.autograd.grad(loss(x.requires_grad_()), x)[0]
     torch.testing.assert_close(torch.func.grad(loss)(x.detach()), expected)
+
+
+def test_the_gpu_kernel_table_is_the_committed_records_table():
+    """docs/banded_attention_gpu.md, "Kernel cells as data": the table is what
+    ``benchmarks/results_table.py benchmarks/results/h200_bf16_*.json`` makes of the committed
+    records, every row and figure."""
+    records = kernel_results.load_files(
+        sorted(glob.glob(os.path.join(REPO, "benchmarks", "results", "h200_bf16_*.json")))
+    )
+    expected = kernel_results.kernel_table(records).strip().splitlines()
+    page = read(os.path.join("docs", "banded_attention_gpu.md")).splitlines()
+    start = page.index(expected[0])  # the header line naming the GPU, torch and day
+    assert page[start : start + len(expected)] == expected
