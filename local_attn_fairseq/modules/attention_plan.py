@@ -44,10 +44,12 @@ from ..ops import mechanisms
 # band path's time at T = 8, 0.61x at 32, 1.41x at 48 and 4.1x at 128 (benchmarks/pande_masks.py
 # --short-sequences). Both paths give the same outputs.
 PANDE_BAND_MIN_KEYS = 48
-# The same turning point for a layer of local heads beside global heads (no Pande's band heads),
-# whose by-kind path is one banded call and one fused call: benchmarks/pande_masks.py
-# --short-sequences --mixed (docs/benchmarks.md).
-LOCAL_BESIDE_GLOBAL_MIN_KEYS = 48
+# The turning point of a layer of local heads beside global heads (no Pande's band heads), whose
+# by-kind path is one banded call and one fused call: six local-8 heads beside two global ones,
+# embed 128, 2,048 tokens a batch, forward + backward, one thread, the explicit pass took 0.99x
+# the by-kind path's time at T = 16, 1.06x at 24, 1.15x at 32 and 1.56x at 48
+# (benchmarks/pande_masks.py --short-sequences --mixed; docs/benchmarks.md).
+LOCAL_BESIDE_GLOBAL_MIN_KEYS = 24
 
 _CAUSAL = (MaskBounds(None, 0),)  # keys up to the query's own position
 
