@@ -111,4 +111,6 @@ setup(
         "matplotlib",
         "tqdm",
     ],
+    # cuDNN's banded attention (the cudnn-band route of ops/): GPU machines only
+    extras_require={"cudnn": ["nvidia-cudnn-frontend==1.23.0"]},
 )

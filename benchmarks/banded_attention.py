@@ -9,8 +9,9 @@ Compared, for each sequence length T and band width w = left + right + 1 (left =
   banded  ``local_attn_fairseq.ops.banded_attention`` on the route of ``--impl`` (the compiled
           kernels by default; ``torch`` is the pure-PyTorch fallback, ``tensor-core`` the
           tensor-core kernel);
-  tensor-core  the same function on the tensor-core kernel, beside the ``banded`` row on a GPU
-          (float16 and bfloat16, head dims 32, 64, 128);
+  tensor-core, flash-window, cudnn-band  the same function on the tensor-core kernel, torch's
+          windowed FlashAttention-2 kernels and cuDNN's band, beside the ``banded`` row on a GPU
+          (each where the route table and its adapter take the call; else the row says why);
   blocked the same function on its blocked-SDPA route (``LOCAL_ATTN_BANDED_IMPL=sdpa``);
   flex    ``torch.nn.attention.flex_attention`` with a sliding-window ``create_block_mask``,
           compiled with ``torch.compile`` (no backward on the CPU: forward only there; a
@@ -79,7 +80,7 @@ from local_attn_fairseq.experiments.measurement import (  # noqa: E402
 from local_attn_fairseq.ops import (  # noqa: E402
     banded_attention,
     extension_info,
-    tensor_core_gap,
+    unsupported_reasons,
 )
 
 IMPL_ENV = "LOCAL_ATTN_BANDED_IMPL"
@@ -96,7 +97,9 @@ def naive_attention(q, k, v, mask):
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
-IMPLEMENTATIONS = ("banded", "tensor-core", "blocked", "flex", "sdpa", "naive", "global")
+# The operator's GPU routes timed beside the "banded" row (forced by LOCAL_ATTN_BANDED_IMPL).
+GPU_ROUTES = ("tensor-core", "flash-window", "cudnn-band")
+IMPLEMENTATIONS = ("banded", *GPU_ROUTES, "blocked", "flex", "sdpa", "naive", "global")
 DENSE = ("sdpa", "naive")
 
 
@@ -128,16 +131,16 @@ def flex_runner(length, half, device):
     return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask)), None
 
 
-def tensor_core_row_gap(args):
-    """Why the tensor-core row of a GPU run has no figure (None when it has one)."""
-    if args.impl == "tensor-core":
+def gpu_route_gap(route, args, inputs, half):
+    """Why a GPU route's row has no figure (None when it has one): the route table's and its
+    adapter's reasons for this call."""
+    if args.impl == route:
         return "the banded row"
-    if not extension_info().get("tensor_core"):
-        return "not built"
-    return tensor_core_gap(args.device, args.dtype, args.dim)
+    reasons = unsupported_reasons(route, *inputs, half, half)
+    return "; ".join(reasons).replace("|", "/") if reasons else None
 
 
-def make_runners(length, width, args, backward):
+def make_runners(length, width, args, backward, inputs):
     """name -> (callable(q, k, v) -> out, resident bytes besides its own allocations), and
     name -> why a route has no figure."""
     device, impl = args.device, args.impl
@@ -152,12 +155,12 @@ def make_runners(length, width, args, backward):
         "global": (lambda q, k, v: sdpa(q, k, v), 0),
     }
     notes = {}
-    if device.type == "cuda":  # no row on the CPU, where the kernel cannot run
-        gap = tensor_core_row_gap(args)
+    for route in GPU_ROUTES if device.type == "cuda" else ():  # no rows on the CPU
+        gap = gpu_route_gap(route, args, inputs, half)
         if gap is None:
-            runners["tensor-core"] = (on_route("tensor-core", half), 0)
+            runners[route] = (on_route(route, half), 0)
         else:
-            notes["tensor-core"] = gap
+            notes[route] = gap
     if backward and device.type == "cpu":
         notes["flex"] = "no CPU backward"
     else:
@@ -195,7 +198,7 @@ def measure(args, length, width, backward):
         torch.randn(shape, generator=gen).to(args.device, args.dtype).requires_grad_(backward)
         for _ in range(3)
     ]
-    runners, notes = make_runners(length, width, args, backward)
+    runners, notes = make_runners(length, width, args, backward, inputs)
     if not dense_fits(args.batch, args.heads, length, args.dense_memory_gb * 2**30):
         for name in DENSE:
             del runners[name]
@@ -317,7 +320,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--dense-memory-gb", type=float, default=6.0)
     parser.add_argument(
-        "--impl", choices=["extension", "torch", "tensor-core"], default="extension",
+        "--impl", choices=["extension", "torch", *GPU_ROUTES], default="extension",
         help="the route of the 'banded' rows",
     )  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

@@ -6,7 +6,7 @@ Three language models of the same sizes (6 layers, 512 dims, 8 heads by default)
 (fairseq's ``transformer_lm``), local (``transformer_lm_local``, every head ``local-64``) and
 mixed (every layer 2 global heads and 6 ``local-64``).
 
-    python benchmarks/long_context.py                  # T 1024 4096 16384, t 512 2048 8192
+    python benchmarks/long_context.py                  # T 1024 to 65536, t 512 2048 8192
     python benchmarks/long_context.py --quick          # tiny sizes, seconds
     python benchmarks/long_context.py --lengths 2048 8192 --window 128 --threads 2
 
@@ -17,7 +17,7 @@ runs out of memory, is reported as not fitting. Decoding: ms per token at each -
 t (median of the --timing-steps steps ending at t) through fairseq's incremental state, and the
 bytes each layer's cache holds, for global, local with its rolling window cache and local with
 LOCAL_ATTN_FULL_DECODER_CACHE=1, whose logits are compared step by step. The method in detail:
-``local_attn_fairseq/experiments/long_context.py``.
+``local_attn_fairseq/experiments/long_context/``.
 
 Prints the tables with their ratios and writes the record (JSON) to --output, rewritten after
 every training length so that a run cut short keeps what it measured.

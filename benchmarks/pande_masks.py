@@ -26,7 +26,14 @@ The other side: sentence-length sequences, where the T x T matrices are small. O
 ``transformer_local_tied`` (Pande et al. config (i), every head a mask, Wq/Wk tied), batches of
 --batch-tokens tokens, dropout 0.1, forward + backward, both paths timed in turns in one process:
 the band path and the explicit one. A layer takes the band path from
-``BAND_LSE_MIN_KEYS`` keys on; the last column says which path it takes at each length.
+``PANDE_BAND_MIN_KEYS`` keys on (``modules/attention_plan.py``); the last column says which path
+it takes at each length.
+
+    python benchmarks/pande_masks.py --short-sequences --mixed
+
+The same for a layer of local heads beside global heads (six ``local-8`` heads and two global
+ones, no Pande's masks): its by-kind path (one banded call, one fused call) against the explicit
+one; it takes the by-kind path from ``LOCAL_BESIDE_GLOBAL_MIN_KEYS`` keys on.
 """
 
 import argparse
@@ -41,7 +48,7 @@ import torch
 
 from local_attn_fairseq.cli_types import positive_int
 from local_attn_fairseq.locality.spec import HeadSpec, LocalitySpec
-from local_attn_fairseq.modules import local_multihead_attention
+from local_attn_fairseq.modules import attention_plan
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
 
 CASES = {  # name: (mask of every head, banded_kernel)
@@ -146,32 +153,52 @@ def config_i_layer(embed_dim, heads):
     return attn.train()
 
 
+def local_beside_global_layer(embed_dim, heads):
+    """Local heads with two global ones, as the mixed layers of a long-context LM have them."""
+    specs = [HeadSpec("global")] * 2 + [HeadSpec("local-8")] * (heads - 2)
+    torch.manual_seed(0)
+    attn = LocalMultiheadAttention(
+        embed_dim, heads, head_specs=specs, self_attention=True, dropout=0.1
+    )
+    attn.bind_qk_owners([attn])
+    return attn.train()
+
+
 def short_sequences(args):
-    """Band path against the explicit one at sentence lengths, timed in turns in this process."""
-    attn = config_i_layer(args.embed_dim, args.heads)
-    default_threshold = local_multihead_attention.BAND_LSE_MIN_KEYS
+    """By-kind path against the explicit one at sentence lengths, timed in turns in this process."""
+    if args.mixed:
+        attn, name, threshold = local_beside_global_layer(
+            args.embed_dim, args.heads
+        ), "2 global + local-8", "LOCAL_BESIDE_GLOBAL_MIN_KEYS"
+    else:
+        attn, name, threshold = config_i_layer(
+            args.embed_dim, args.heads
+        ), "config (i)", "PANDE_BAND_MIN_KEYS"
+    default_threshold = getattr(attention_plan, threshold)
     print(
-        f"config (i) layer, {args.heads} heads, embed {args.embed_dim}, {args.batch_tokens} "
+        f"{name} layer, {args.heads} heads, embed {args.embed_dim}, {args.batch_tokens} "
         f"tokens a batch, float32, forward + backward, {torch.get_num_threads()} threads"
     )
-    print("| T | batch | band path ms | explicit ms | explicit / band | default path |")
+    print("| T | batch | by-kind path ms | explicit ms | explicit / by-kind | default path |")
     print("|---|---|---|---|---|---|")
-    for length in args.lengths:
-        batch = max(1, args.batch_tokens // length)
-        x = torch.randn(length, batch, args.embed_dim, requires_grad=True)
-        times = {True: [], False: []}
-        for _ in range(args.repeats + 2):  # the first two passes of each path warm up
-            for band in (True, False):
-                attn.banded_kernel = band
-                local_multihead_attention.BAND_LSE_MIN_KEYS = 0
-                times[band].append(forward_backward(attn, x)[0])
-        local_multihead_attention.BAND_LSE_MIN_KEYS = default_threshold
-        band, explicit = (statistics.median(times[b][2:]) for b in (True, False))
-        default = "band" if length >= default_threshold else "explicit"
-        print(
-            f"| {length} | {batch} | {band * 1e3:.1f} | {explicit * 1e3:.1f} "
-            f"| {explicit / band:.2f}x | {default} |"
-        )
+    try:
+        setattr(attention_plan, threshold, 0)
+        for length in args.lengths:
+            batch = max(1, args.batch_tokens // length)
+            x = torch.randn(length, batch, args.embed_dim, requires_grad=True)
+            times = {True: [], False: []}
+            for _ in range(args.repeats + 2):  # the first two passes of each path warm up
+                for band in (True, False):
+                    attn.banded_kernel = band
+                    times[band].append(forward_backward(attn, x)[0])
+            band, explicit = (statistics.median(times[b][2:]) for b in (True, False))
+            default = "by-kind" if length >= default_threshold else "explicit"
+            print(
+                f"| {length} | {batch} | {band * 1e3:.1f} | {explicit * 1e3:.1f} "
+                f"| {explicit / band:.2f}x | {default} |"
+            )
+    finally:
+        setattr(attention_plan, threshold, default_threshold)
 
 
 def main(argv=None):
@@ -189,6 +216,10 @@ def main(argv=None):
     parser.add_argument(
         "--short-sequences", action="store_true",
         help="sentence lengths instead: a config (i) layer, band path vs explicit path",
+    )  # fmt: skip
+    parser.add_argument(
+        "--mixed", action="store_true",
+        help="--short-sequences: a layer of local heads beside global ones instead of config (i)",
     )  # fmt: skip
     parser.add_argument(
         "--batch-tokens",

@@ -5,6 +5,8 @@
     python benchmarks/speech_encoder.py --device cuda --dtype bfloat16 --batch 8
     python benchmarks/speech_encoder.py --arch s2t_transformer_local_tiny --windows 0,0,3,5,5,7 \
         --seconds 6 --batch 16   # the speech study's model at its corpus's mean length
+    python benchmarks/speech_encoder.py --memory-seconds 600 3600 --batch 1 \
+        --windows 5,5,5,5,5,9,13,11,15,19,17,21   # training memory at 10 min and 1 h of speech
 
 Both encoders are ``s2t_transformer_local`` at the paper's size (fairseq's s2t_transformer_s:
 12 layers, d=256, 4 heads, FFN 2048, two strided Conv1d layers; ``--arch`` picks another size),
@@ -23,6 +25,12 @@ benchmarks/banded_attention.py measures it (``local_attn_fairseq.experiments.mea
 The FLOP ceiling is the ratio of the two encoders' matrix-product operations (convolutions,
 projections, attention products): the most the speed-up can be where those products bound the
 speed. Target: local >= 1.5x faster than global at 60 s.
+
+``--memory-seconds``: training memory at long lengths instead of the timing table. Each
+encoder's peak is first estimated (its T^2 term and linear growth from the peaks at 20, 40 and
+60 s, as benchmarks/long_context.py estimates an LM's), then measured by one forward + backward
+where the estimate is within ``--memory-cap-gb``; over the cap it is reported as not fitting,
+with its estimate, and not run.
 """
 
 import argparse
@@ -43,9 +51,12 @@ from local_attn_fairseq.experiments.measurement import (  # noqa: E402
 )
 from local_attn_fairseq.experiments.speech_encoder_cost import (  # noqa: E402
     FRAMES_PER_SECOND,
+    GiB,
     build_encoder,
     matmul_flops,
     measure,
+    memory_report,
+    memory_table,
 )
 from local_attn_fairseq.models import s2t_transformer_local as s2t  # noqa: E402
 
@@ -70,6 +81,15 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=positive_int, default=2, help="utterances per batch")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument(
+        "--memory-seconds", type=positive_int, nargs="+",
+        help="report training memory at these lengths of speech (e.g. 600 3600) instead of time",
+    )  # fmt: skip
+    parser.add_argument(
+        "--memory-cap-gb", type=float, default=16.0,
+        help="--memory-seconds: an encoder estimated above this many GiB is reported as not "
+        "fitting, not run (default 16)",
+    )  # fmt: skip
+    parser.add_argument(
         "--arch", choices=sorted(ARCHITECTURES), default="s2t_transformer_local",
         help="the encoder's size (default: the paper's, fairseq's s2t_transformer_s)",
     )  # fmt: skip
@@ -90,6 +110,8 @@ def parse_args(argv=None):
     parser.add_argument("--output", type=output_file, help="also write the table to this file")
     add_overwrite_option(parser)
     args = parser.parse_args(argv)
+    if args.memory_cap_gb <= 0:
+        parser.error(f"--memory-cap-gb: must be above 0, got {args.memory_cap_gb:g}")
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
@@ -107,6 +129,34 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def encoder_title(args, model_args) -> str:
+    """The table's first words: the encoder's size."""
+    return (
+        f"{TABLE_START}{args.arch}, {model_args.encoder_layers} x d"
+        f"{model_args.encoder_embed_dim}, {model_args.encoder_attention_heads} heads)"
+    )
+
+
+def report_memory(args, models, model_args):
+    cap = args.memory_cap_gb * GiB
+    lines = [
+        f"{encoder_title(args, model_args)}, training memory of one forward + backward, batch "
+        f"{args.batch}, {device_name(args.device)}, {str(args.dtype).replace('torch.', '')}, "
+        f"torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; local windows {args.windows}",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+    report = memory_report(
+        models, args.memory_seconds, args.batch, cap, args.device, args.dtype,
+        progress=lambda line: print(f"| {line}", flush=True),
+    )  # fmt: skip
+    lines += memory_table(report, cap)
+    print("\n".join(lines[2:]), flush=True)
+    if args.output:
+        write_output_file(args.output, "--output", "\n".join(lines) + "\n")
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
@@ -120,12 +170,12 @@ def main(argv=None):
     dense, _ = build_encoder(global_windows, args.device, args.dtype, args.arch_fn)
     dense.load_state_dict(local.state_dict())
     models = {"global": dense, "local": local}
+    if args.memory_seconds:
+        return report_memory(args, models, model_args)
     windows = {name: [int(w) for w in m.attention_windows] for name, m in models.items()}
 
     lines = [
-        f"{TABLE_START}{args.arch}, {model_args.encoder_layers} x d"
-        f"{model_args.encoder_embed_dim}, {model_args.encoder_attention_heads} heads), forward + "
-        f"backward, batch "
+        f"{encoder_title(args, model_args)}, forward + backward, batch "
         f"{args.batch}, {device_name(args.device)}, {str(args.dtype).replace('torch.', '')}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads; local windows {args.windows}; times: median of {args.rounds} rounds",

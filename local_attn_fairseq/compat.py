@@ -6,6 +6,9 @@ They are applied when the plugin is imported and are idempotent:
   pickles its configuration (``argparse.Namespace``, OmegaConf containers). Only fairseq's
   ``checkpoint_utils`` module gets a ``torch`` whose ``load`` defaults to ``weights_only=False``;
   the rest of the process keeps torch's safe default. A checkpoint is code: load only your own.
+* A checkpoint of an earlier version of the plugin may store a locality option as ``""``, which
+  that version read as not given and the option now refuses: fairseq's checkpoint reader reads
+  it as before, with a warning (``models.locality_options.read_stored_empty_options``).
 * torchaudio 2.9 removed ``torchaudio.sox_effects``, which fairseq's audio utilities import to
   normalise volume, resample and down-mix. We provide the three effects fairseq asks for with
   torchaudio's own functional resampler.
@@ -84,6 +87,31 @@ def patch_checkpoint_loading():
 
     if not getattr(checkpoint_utils.torch, _TRUSTED_LOAD_MARK, False):
         checkpoint_utils.torch = _TorchWithTrustedCheckpoints(torch)
+
+
+_original_load_checkpoint_to_cpu = None  # fairseq's, set by the shim
+
+
+def _load_checkpoint_to_cpu_reading_old_options(path, arg_overrides=None, *args, **kwargs):
+    """fairseq's reader of a checkpoint, the plugin model's stored options read as the version
+    that wrote them read them (``models.locality_options.read_stored_empty_options``)."""
+    from .models.locality_options import read_stored_empty_options
+
+    state = _original_load_checkpoint_to_cpu(path, arg_overrides, *args, **kwargs)
+    model_args = (state.get("cfg") or {}).get("model")
+    if model_args is not None:
+        read_stored_empty_options(model_args, path, given=arg_overrides or {})
+    return state
+
+
+def read_old_checkpoint_options():
+    global _original_load_checkpoint_to_cpu
+    from fairseq import checkpoint_utils
+
+    reader = checkpoint_utils.load_checkpoint_to_cpu
+    if reader is not _load_checkpoint_to_cpu_reading_old_options:
+        _original_load_checkpoint_to_cpu = reader
+        checkpoint_utils.load_checkpoint_to_cpu = _load_checkpoint_to_cpu_reading_old_options
 
 
 def apply_effects_tensor(tensor, sample_rate, effects, channels_first=True):
@@ -386,6 +414,7 @@ def mark_fairseq_train_runs():
 
 def apply():
     patch_checkpoint_loading()
+    read_old_checkpoint_options()
     make_checkpoint_writes_atomic()
     fall_back_to_intact_checkpoints()
     mark_fairseq_train_runs()

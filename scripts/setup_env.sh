@@ -76,6 +76,10 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 log "building the plugin and its banded attention kernels"
 env "${plugin_env[@]}" "${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"
+if nvidia-smi -L >/dev/null 2>&1; then  # a GPU: cuDNN's banded attention (the cudnn extra)
+  log "installing nvidia-cudnn-frontend for the cudnn-band route"
+  "${PIP[@]}" nvidia-cudnn-frontend==1.23.0
+fi
 "$VENV/bin/python" - "$plugin_modules" <<'PY'
 import importlib
 import sys

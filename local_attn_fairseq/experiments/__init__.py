@@ -27,9 +27,13 @@
   fairseq's ``MultiheadAttention`` (``benchmarks/host_overhead.py``);
 - ``kernel_results``: the kernel benchmark's JSON records as the docs' table
   (``benchmarks/results_table.py``);
+- ``lm_layout``: the fairseq-train options that give fairseq's ``transformer_lm`` the layout of
+  ``transformer_lm_local`` (input and output dims, pre-norm), for ``lm_demo`` and
+  ``long_context``;
 - ``long_context``: fairseq's ``transformer_lm`` against ``transformer_lm_local`` at long
-  lengths, training and incremental decoding (``benchmarks/long_context.py``); its
-  ``lm_arguments`` are fairseq-train's arguments for a language model of given sizes.
+  lengths, training and incremental decoding (``benchmarks/long_context.py``), a package of
+  small modules (settings, models, memory, training, decoding, benchmark, report); its
+  ``models.lm_arguments`` are fairseq-train's arguments for a language model of given sizes.
 
 The scripts in ``scripts/`` and ``benchmarks/`` call these modules.
 """

@@ -68,6 +68,7 @@ from .fairseq_runner import (
     tool_path,
     training_finished,
 )
+from .lm_layout import transformer_lm_layout_options
 from .study import run_key
 from .training_progress import RunLog, console_logging, json_log_options, parse_line, read_log
 
@@ -214,10 +215,7 @@ def training_options(settings, bin_dir, arch, extra):
         "--decoder-layers", settings.layers, "--decoder-embed-dim", settings.dim,
         "--decoder-ffn-embed-dim", settings.ffn_dim,
         "--decoder-attention-heads", settings.heads, "--share-decoder-input-output-embed",
-        # fairseq's transformer_lm takes its config's defaults, not its architecture's, for
-        # these: 512-dim embeddings projected to the layers' width, and post-norm layers
-        "--decoder-input-dim", settings.dim, "--decoder-output-dim", settings.dim,
-        "--decoder-normalize-before",
+        *transformer_lm_layout_options(settings.dim),
         "--dropout", settings.dropout, "--optimizer", "adam", "--adam-betas", "(0.9,0.98)",
         "--weight-decay", 0.01, "--clip-norm", 1.0, "--lr", settings.lr,
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", settings.warmup_updates,

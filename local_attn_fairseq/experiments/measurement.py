@@ -7,6 +7,7 @@ Shared by the benchmarks: every one measures the implementations it compares the
 
 import argparse
 import errno
+import gc
 import os
 import tempfile
 import time
@@ -51,6 +52,7 @@ def peak_bytes(fn, inputs, backward):
     """Peak of torch's allocations during one call, above what was live before it."""
     device = inputs[0].device
     if device.type == "cuda":
+        gc.collect()  # as cpu_allocation_peak does: no earlier garbage freed inside the call
         synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -62,7 +64,13 @@ def peak_bytes(fn, inputs, backward):
 
 def cpu_allocation_peak(call: Callable[[], object]) -> int:
     """Peak of torch's CPU allocations during ``call()``, above what was live before it: the
-    running sum of the allocation events (+bytes, -bytes on free) of torch's profiler."""
+    running sum of the allocation events (+bytes, -bytes on free) of torch's profiler.
+
+    Garbage is collected first: a tensor held only by a reference cycle, allocated in an earlier
+    measurement (a model built there), would be freed inside this one whenever Python's
+    collector happens to run, a negative event that lowers the peak by its size. (The profiler
+    reports no frees of blocks allocated while no profiler recorded memory.)"""
+    gc.collect()
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         call()

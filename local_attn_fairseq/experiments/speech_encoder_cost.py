@@ -8,7 +8,10 @@ self-attention to windows makes it cheaper):
   (``self_attention_cost``), and the operations of every matrix product of the encoder at one
   length (``matmul_flops``, the most a speed-up can be where those products bound the speed);
 * measured: one forward + backward of two encoders with the same weights that differ only in
-  their windows, alternating so that load from other processes hits both alike (``measure``).
+  their windows, alternating so that load from other processes hits both alike (``measure``);
+* training memory at long lengths (minutes to an hour of speech): the peak of one forward +
+  backward where it fits under a cap, the estimate alone where it would not, never run into
+  an out-of-memory kill (``memory_report``).
 
 ``benchmarks/speech_encoder.py`` and the speech study (``experiments.speech_study``) use both.
 """
@@ -16,6 +19,8 @@ self-attention to windows makes it cheaper):
 import statistics
 import time
 from argparse import Namespace
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from fairseq.data import Dictionary
@@ -24,6 +29,8 @@ from ..models.s2t_transformer_local import (
     S2TTransformerLocalModel,
     s2t_transformer_local,
 )
+from .long_context.memory import estimated_bytes, quadratic_coefficient
+from .long_context.settings import GiB
 from .measurement import device_seconds_per_call, peak_bytes
 
 FBANK_DIM = 80
@@ -155,3 +162,116 @@ def measure(models, frames, batch, rounds, device="cpu", dtype=torch.float32, cp
             model = models[name]
             busy[name] = device_seconds_per_call(lambda: step(model, features, lengths), 1)
     return {name: (statistics.median(times[name]), memory[name], busy[name]) for name in names}
+
+
+# ---- training memory at long lengths ------------------------------------------------------
+
+# Short inputs whose peaks give each encoder's T^2 term and its linear growth.
+PROBE_SECONDS = (20, 40, 60)
+
+
+@dataclass
+class MemoryPoint:
+    """One encoder's training memory on one batch of ``seconds`` of speech."""
+
+    seconds: int
+    fbank_frames: int
+    encoder_frames: int
+    estimated_bytes: float
+    peak_bytes: Optional[int] = None  # measured; None where the estimate is over the cap
+    step_seconds: Optional[float] = None  # of the measured forward + backward
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes is not None
+
+
+def training_peak(encoder, frames, batch, device="cpu", dtype=torch.float32):
+    """(peak bytes, seconds) of one forward + backward on random features of ``frames``
+    filterbank frames: the peak as ``peak_memory`` measures it (torch's allocations above
+    what was live before), the time of that same measured call."""
+    features = torch.randn(batch, frames, FBANK_DIM, device=device, dtype=dtype)
+    lengths = torch.full((batch,), frames, dtype=torch.long, device=device)
+    start = time.perf_counter()
+    peak = peak_memory(encoder, features, lengths)
+    return peak, time.perf_counter() - start
+
+
+def memory_growth(encoder, batch, device="cpu", dtype=torch.float32, probe_seconds=PROBE_SECONDS):
+    """(bytes per encoder frame squared, {encoder frames: peak bytes}) of an encoder's training,
+    from its peaks at the ``probe_seconds`` lengths, as the long-context benchmark finds an LM's
+    T^2 term (``long_context.memory.quadratic_coefficient``)."""
+    fbank = [s * FRAMES_PER_SECOND for s in probe_seconds]
+    peaks = [training_peak(encoder, f, batch, device, dtype)[0] for f in fbank]
+    frames = encoder_frames(fbank).tolist()
+    return quadratic_coefficient(frames, peaks), dict(zip(frames, peaks))
+
+
+def memory_report(
+    models: Dict[str, torch.nn.Module],
+    seconds: Sequence[int],
+    batch: int,
+    cap_bytes: float,
+    device="cpu",
+    dtype=torch.float32,
+    progress: Callable[[str], None] = lambda line: None,
+    probe_seconds: Sequence[int] = PROBE_SECONDS,
+) -> Dict[str, List[MemoryPoint]]:
+    """{name: [MemoryPoint per duration]}: each encoder's training memory estimated from its
+    probes and the longest lengths measured before (T^2 term, parameters' gradients, linear
+    rest), then measured where the estimate is within ``cap_bytes``; an encoder over the cap at
+    one length is not run there nor at any longer one."""
+    report = {}
+    for name, encoder in models.items():
+        per_square, measured = memory_growth(encoder, batch, device, dtype, probe_seconds)
+        progress(f"{name}: {per_square:.1f} training bytes per encoder frame squared")
+        points, over_cap = [], False
+        for duration in sorted(seconds):
+            fbank = duration * FRAMES_PER_SECOND
+            frames = int(encoder_frames(fbank))
+            point = MemoryPoint(
+                duration, fbank, frames, estimated_bytes(frames, per_square, 0, measured)
+            )
+            over_cap = over_cap or point.estimated_bytes > cap_bytes
+            if not over_cap:
+                point.peak_bytes, point.step_seconds = training_peak(
+                    encoder, fbank, batch, device, dtype
+                )
+                measured[frames] = point.peak_bytes
+            progress(f"{name} at {duration} s: {memory_cell(point)}")
+            points.append(point)
+        report[name] = points
+    return report
+
+
+def audio_length(seconds: int) -> str:
+    return f"{seconds // 60} min" if seconds % 60 == 0 else f"{seconds} s"
+
+
+def memory_cell(point: MemoryPoint) -> str:
+    if point.fits:
+        return f"{point.peak_bytes / GiB:.2f} GiB (est. {point.estimated_bytes / GiB:.2f})"
+    return f"does not fit (est. {point.estimated_bytes / GiB:.1f} GiB)"
+
+
+def memory_table(report: Dict[str, List[MemoryPoint]], cap_bytes: float) -> List[str]:
+    """The report as Markdown rows, one per duration: each encoder's peak (or its estimate
+    over the cap) and the time of its measured step."""
+    names = list(report)
+    header = "| audio | fbank frames | encoder frames | " + " | ".join(
+        f"{n} peak | {n} step s" for n in names
+    )
+    lines = [header + " |", "|---|---:|---:|" + "---:|---:|" * len(names)]
+    for points in zip(*report.values()):
+        first = points[0]
+        cells = [
+            f"{memory_cell(p)} | {p.step_seconds:.1f}" if p.fits else f"{memory_cell(p)} | -"
+            for p in points
+        ]
+        lines.append(
+            f"| {audio_length(first.seconds)} | {first.fbank_frames} | {first.encoder_frames} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines.append(f"\nnot run: estimates over the cap of {cap_bytes / GiB:g} GiB")
+    return lines

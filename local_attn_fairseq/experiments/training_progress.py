@@ -36,6 +36,20 @@ def json_log_options(interval):
     return ["--log-format", "json", "--log-interval", str(interval)]
 
 
+class _CurrentStdoutHandler(logging.StreamHandler):
+    """Writes each record to ``sys.stdout`` as it is when the record is emitted (as
+    ``logging.lastResort`` does for stderr), never to a stream it kept: a tool's ``main`` run in
+    a process that swaps stdout for a while (a test capturing it, a caller redirecting it)
+    leaves no handler on a stream that is closed once the swap ends."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+
 def console_logging():
     """fairseq-train's console log format on stdout, at INFO (or $LOGLEVEL): importing fairseq
     configures Python's default format at DEBUG, which this replaces."""
@@ -43,7 +57,7 @@ def console_logging():
         format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
         level=os.environ.get("LOGLEVEL", "INFO").upper(),
-        stream=sys.stdout,
+        handlers=[_CurrentStdoutHandler()],
         force=True,
     )
 

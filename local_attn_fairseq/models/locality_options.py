@@ -3,7 +3,11 @@ they build for a model of a given shape, the dynamic-window defaults of the arch
 head-gate queries the L0 criterion makes.
 """
 
+import json
 import logging
+import os
+
+from fairseq.models import ARCH_MODEL_REGISTRY
 
 from .. import cli_types
 from ..checkpoint_files import current_fairseq_train_run
@@ -199,6 +203,64 @@ def _read_option(read, value, *option):
         return read(value, *option)
     except ValueError as error:
         raise LocalitySpecError(str(error)) from None
+
+
+# Options that earlier versions stored as "" when given empty, and read as not given (no layers,
+# no gates, the default attention types): a new command line refuses "", a checkpoint holding
+# it is read as that version read it.
+EMPTY_MEANS_UNSET = tuple(option.replace("-", "_") for option in cli_types.SELECTING_OPTIONS)
+_read_as_unset_said = set()  # (checkpoint, setting): each warning once per process
+
+
+def read_stored_empty_options(model_args, checkpoint, given=()) -> None:
+    """Make the stored arguments of a plugin model in ``checkpoint`` build what the version that
+    wrote them built: an option of EMPTY_MEANS_UNSET holding "" becomes None, and a stored
+    spec's ``head_gates: {attention: ""}`` becomes [] (no gates), each said in one warning.
+    Options in ``given`` (set anew at load time, e.g. --model-overrides) are left to be checked
+    as any new value is."""
+    model_cls = ARCH_MODEL_REGISTRY.get(_stored(model_args, "arch"))
+    if model_cls is None or not model_cls.__module__.startswith(__package__):
+        return
+    for option in EMPTY_MEANS_UNSET:
+        if option not in given and _stored(model_args, option) == "":
+            _store(model_args, option, None)
+            setting = f"--{option.replace('_', '-')} ''"
+            _say_read_as_unset(checkpoint, setting, "the option not given")
+    spec = _stored(model_args, "locality_config")
+    if "locality_config" in given or not isinstance(spec, str) or not spec.startswith("{"):
+        return
+    try:
+        config = json.loads(spec)
+    except ValueError:
+        return  # an inline YAML spec, refused or read where the model is built
+    gates = config.get("head_gates") if isinstance(config, dict) else None
+    if isinstance(gates, dict) and gates.get("attention") == "":
+        gates["attention"] = []
+        _store(model_args, "locality_config", json.dumps(config, sort_keys=True))
+        _say_read_as_unset(checkpoint, "spec's head_gates attention ''", "[], no gates")
+
+
+def _stored(model_args, name):
+    if isinstance(model_args, dict):
+        return model_args.get(name)
+    return getattr(model_args, name, None)
+
+
+def _store(model_args, name, value):
+    if isinstance(model_args, dict):
+        model_args[name] = value
+    else:
+        setattr(model_args, name, value)
+
+
+def _say_read_as_unset(checkpoint, setting, reading):
+    said = (os.path.abspath(str(checkpoint)), setting)  # the trainer names a file its own way
+    if said not in _read_as_unset_said:
+        _read_as_unset_said.add(said)
+        logger.warning(
+            f"{checkpoint}: the stored {setting} (an earlier version's empty value) is read as "
+            f"none ({reading}), as that version read it; a new command line refuses ''"
+        )
 
 
 def add_locality_args(parser):

@@ -28,7 +28,7 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, BaseFairseqModel
 
 from ..checkpoint_files import current_fairseq_train_run, read_checkpoint, resume_source
 from ..locality.spec import LocalitySpecError, load_spec_config
-from .locality_options import with_command_line_settings
+from .locality_options import read_stored_empty_options, with_command_line_settings
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,10 @@ def use_stored_options_on_resume(model_cls, args) -> None:
 
 def _stored_model_args(path):
     state = read_checkpoint(path)
-    return (state.get("cfg") or {}).get("model") or state.get("args")
+    stored = (state.get("cfg") or {}).get("model") or state.get("args")
+    if stored is not None:  # an earlier version's "" read as it read it, as when loaded
+        read_stored_empty_options(stored, path)
+    return stored
 
 
 def _resume_with_stored_options(args, path, options, stored, given, differing) -> None:

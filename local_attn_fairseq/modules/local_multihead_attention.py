@@ -38,10 +38,15 @@ Under ``LOCAL_ATTN_MECHANISM_IMPL=sdpa`` a layer whose only mechanism is the Gau
 every head gives the bias, with the causal and padding masks, to ``scaled_dot_product_attention``
 as its additive mask (steps 2-6 in one call).
 
+Which of these paths computes a call is the layer's plan (``attention_plan``), built with the
+layer; so is its causality: a causal layer's queries never see a later key on any path, and a
+caller's ``attn_mask`` is honoured on top of it, never replaced.
+
 The call signature, incremental state and returned weights follow
 ``fairseq.modules.MultiheadAttention``, so fairseq's encoder and decoder layers, the sequence
-generator and alignment code use it unchanged. A decoder self-attention layer whose every head
-is causal-local keeps only the keys its windows still reach in that state (``rolling_cache``).
+generator and alignment code use it unchanged (``incremental_cache``). A decoder self-attention
+layer whose every head is causal-local keeps only the keys its windows still reach in that state
+(``rolling_cache``).
 """
 
 import math
@@ -51,7 +56,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import with_incremental_state
-from fairseq.modules import MultiheadAttention
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
@@ -65,20 +69,14 @@ from ..locality.spec import LOCALNESS_DEFAULTS, HeadSpec
 from ..ops import mechanisms
 from ..ops.band_with_global_lse import all_keys_logsumexp, band_of_full_softmax
 from ..ops.banded_attention import banded_attention, draw_dropout_keep
+from ..ops.fused_attention import fused_attention
+from .attention_plan import AttentionPlan, Path
+from .incremental_cache import IncrementalKeyCache, IncrementalState
 from .rolling_cache import RollingWindowCache
-
-IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
-
-# Below this many keys the T x T matrices of Pande's masks are small, and one dense pass beats
-# the band and log-sum-exp kernels: for forward + backward of a config (i) layer at the demo's
-# sizes (128 dims, 8 heads, ~2k tokens a batch) on a 2-core CPU, the dense pass took 0.29x the
-# band path's time at T = 8, 0.61x at 32, 1.41x at 48 and 4.1x at 128 (benchmarks/pande_masks.py
-# --short-sequences). Both paths give the same outputs.
-BAND_LSE_MIN_KEYS = 48
 
 
 @with_incremental_state
-class LocalMultiheadAttention(nn.Module):
+class LocalMultiheadAttention(IncrementalKeyCache, nn.Module):
     def __init__(
         self,
         embed_dim: int,
@@ -107,7 +105,6 @@ class LocalMultiheadAttention(nn.Module):
         ``banded_kernel=False`` computes local heads by masking the T x T logits instead of
         through the banded operator (same outputs; for comparison and analysis)."""
         super().__init__()
-        self.banded_kernel = banded_kernel
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
         self.embed_dim = embed_dim
@@ -236,6 +233,24 @@ class LocalMultiheadAttention(nn.Module):
             and self.relative_positions is None
             and self.groups_are_heads
         )
+        self.plan = AttentionPlan(
+            causal=causal,
+            self_attention=self_attention,
+            banded_kernel=banded_kernel,
+            plain_heads=self.groups_are_heads and not (
+                self.has_local_heads or self.has_head_masks or self.gaussian_heads
+                or self.relative_positions is not None or self.dynamic_windows
+            ),
+            gaussian_only=self.gaussian_only,
+            fixed_masks_only=not (
+                self.gaussian_heads or self.relative_positions is not None
+                or self.dynamic_windows
+            ),
+            all_heads_local=self.all_heads_local,
+            has_band_heads=self.has_head_masks,
+            has_local_and_global_heads=bool(self.local_heads and self.global_heads),
+            terms_cover_every_head=self.terms_cover_every_head,
+        )  # fmt: skip
         # Modules holding the Wq/Wk of other layers; kept out of _modules so that a tied
         # parameter is registered (and saved, counted, averaged) exactly once.
         self._qk_owner_modules: Dict[int, "LocalMultiheadAttention"] = {}
@@ -243,6 +258,14 @@ class LocalMultiheadAttention(nn.Module):
         self._band_windows_by_heads: Dict[Tuple[int, ...], Tuple[List[int], List[int]]] = {}
         self._head_index_cache: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
         self.reset_parameters()
+
+    @property
+    def banded_kernel(self) -> bool:
+        return self.plan.banded_kernel
+
+    @banded_kernel.setter
+    def banded_kernel(self, value: bool):
+        self.plan.banded_kernel = bool(value)
 
     def _build_dynamic_windows(self, bias: bool):
         """Nguyen et al.'s pointers, one DynamicWindow per segment size used in this layer, and
@@ -419,22 +442,10 @@ class LocalMultiheadAttention(nn.Module):
         if key_padding_mask is not None:
             assert key_padding_mask.shape == (bsz, src_len), key_padding_mask.shape
 
-        if self._can_use_fused(need_weights, before_softmax):
-            out = self._fused_attention(q, k, v, key_padding_mask, attn_mask)
-            return self._merge_heads(out, tgt_len, bsz), None
-        if self._can_use_gaussian_sdpa(need_weights, before_softmax):
-            out = self._gaussian_sdpa_attention(q, k, v, key_padding_mask, attn_mask)
-            return self._merge_heads(out, tgt_len, bsz), None
-        if self._can_use_banded(need_weights, before_softmax, tgt_len, src_len, attn_mask):
-            out = self._banded_attention(q, k, v, key_padding_mask)
-            return self._merge_heads(out, tgt_len, bsz), None
-        if self._can_use_band_lse(need_weights, before_softmax, tgt_len, src_len, attn_mask):
-            out = self._attention_by_head_kind(q, k, v, key_padding_mask, attn_mask)
-            return self._merge_heads(out, tgt_len, bsz), None
-        if self._can_use_terms_operator(need_weights, before_softmax, q, v, attn_mask):
-            out = self._attention_with_terms(
-                q, k, v, query, window_keys, key_padding_mask, attn_mask
-            )
+        path = self.plan.path(q, v, src_len, attn_mask, need_weights or before_softmax)
+        if path is not Path.EXPLICIT:
+            compute = getattr(self, _PATH_METHODS[path])
+            out = compute(q, k, v, query, window_keys, key_padding_mask, attn_mask)
             return self._merge_heads(out, tgt_len, bsz), None
 
         scaled_q = q * self.scaling
@@ -457,8 +468,9 @@ class LocalMultiheadAttention(nn.Module):
             windows = self._window_masks(query, window_keys, key_padding_mask)
             if self.local_q_proj is not None:
                 logits = self._add_local_window_scores(logits, query, window_keys, windows)
-        if attn_mask is not None:
-            logits = logits + attn_mask.to(logits.dtype).unsqueeze(0).unsqueeze(0)
+        mask = self.plan.additive_mask(attn_mask, tgt_len, src_len, logits.dtype, logits.device)
+        if mask is not None:  # the caller's mask and the layer's causality
+            logits = logits + mask
         no_key = None  # sentences without a single real key
         if key_padding_mask is not None:
             padding = key_padding_mask.to(torch.bool)
@@ -469,12 +481,8 @@ class LocalMultiheadAttention(nn.Module):
         if before_softmax:
             return (logits if per_head else self._expand_groups(logits)), v
 
-        row_may_be_empty = attn_mask is not None and (
-            not self.causal or key_padding_mask is not None
-        )
-        if row_may_be_empty or self.has_local_heads:
-            # an arbitrary mask, a causal row over left padding only (--left-pad-target), or a
-            # window over padding only leaves a row without keys
+        if self.plan.rows_may_lack_keys(attn_mask, key_padding_mask) or self.has_local_heads:
+            # so may a window over padding only
             probs = safe_softmax(logits, dim=-1)
         else:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -529,14 +537,7 @@ class LocalMultiheadAttention(nn.Module):
             self.last_localness = (centre.detach(), window.detach())
         return result
 
-    def _can_use_gaussian_sdpa(self, need_weights, before_softmax):
-        return (
-            self.gaussian_only
-            and not (need_weights or before_softmax)
-            and mechanisms.gaussian_bias_through_sdpa()
-        )
-
-    def _gaussian_sdpa_attention(self, q, k, v, key_padding_mask, attn_mask):
+    def _gaussian_sdpa_attention(self, q, k, v, query, window_keys, key_padding_mask, attn_mask):
         """Steps 2-6 of a layer whose every head has the Gaussian bias (and nothing else) in
         one ``scaled_dot_product_attention`` call, the bias with the causal and padding masks
         as its additive mask.
@@ -548,7 +549,11 @@ class LocalMultiheadAttention(nn.Module):
         bfloat16 keeps the differences between large biases only after the shift.
         """
         mask = self._localness_term(q, k, key_padding_mask)  # float32 (bsz, heads, tgt, src)
-        blocked = _additive_mask(key_padding_mask, attn_mask, mask.dtype, mask.device)
+        tgt_len, src_len = q.size(2), k.size(2)
+        blocked = self.plan.additive_mask(attn_mask, tgt_len, src_len, mask.dtype, mask.device)
+        if blocked is not None:
+            blocked = blocked[None, None]
+        blocked = _additive_mask(key_padding_mask, blocked, mask.dtype, mask.device)
         no_key = None
         if blocked is not None:
             no_key = torch.isneginf(blocked).all(dim=-1, keepdim=True)
@@ -610,14 +615,6 @@ class LocalMultiheadAttention(nn.Module):
         return local_scores * aw_windows
 
     # -- every head's terms in one operator (CPU) ---------------------------------------------
-    def _can_use_terms_operator(self, need_weights, before_softmax, q, v, attn_mask):
-        return (
-            self.terms_cover_every_head
-            and not (need_weights or before_softmax)
-            and (attn_mask is None or attn_mask.dim() == 2)
-            and mechanisms.cpu_operators_apply(q, v)
-        )
-
     def _attention_with_terms(self, q, k, v, query, window_keys, key_padding_mask, attn_mask):
         """Steps 2-6 for a layer whose Gaussian bias, dynamic windows or Pande's masks cover
         every head: the terms from their mechanisms, then the softmax, the post-softmax
@@ -664,7 +661,7 @@ class LocalMultiheadAttention(nn.Module):
         dropout_p = self._attention_dropout_p()
         shape = (bsz, self.num_heads, tgt_len, src_len)
         attention = mechanisms.AttentionInputs(
-            None if attn_mask is None else attn_mask.to(q.dtype),
+            self.plan.additive_mask(attn_mask, tgt_len, src_len, q.dtype, q.device),
             None if key_padding_mask is None else key_padding_mask.to(torch.bool),
             draw_dropout_keep(shape, dropout_p, q.device),
             self.scaling, dropout_p,
@@ -685,41 +682,6 @@ class LocalMultiheadAttention(nn.Module):
         return mechanisms.dense_attention(q, k, v, bias, multiplier, attention)
 
     # -- local and band heads without a T x T matrix ------------------------------------------
-    def _needs_no_matrix(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
-        """Only fixed masks and windows per head, a whole sequence attending to itself (not a
-        decoding step) and nothing asked of the T x T weights."""
-        fixed_masks_only = not (
-            self.localness is not None
-            or self.relative_positions is not None
-            or self.dynamic_windows
-        )
-        # the decoder's attn_mask is its causal mask, which the bands' right side takes over
-        sequence = tgt_len == src_len and (attn_mask is None or self.causal)
-        return (
-            self.banded_kernel
-            and fixed_masks_only
-            and sequence
-            and self.self_attention
-            and not (need_weights or before_softmax)
-        )
-
-    def _can_use_banded(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
-        """Every head local: the whole layer is one banded attention."""
-        return (
-            self.all_heads_local
-            and not self.has_head_masks
-            and self._needs_no_matrix(need_weights, before_softmax, tgt_len, src_len, attn_mask)
-        )
-
-    def _can_use_band_lse(self, need_weights, before_softmax, tgt_len, src_len, attn_mask):
-        """Heads of several kinds (Pande's band heads, local heads, global heads): each kind
-        runs on its own T x T-free path, once sequences are long enough for it to pay."""
-        return (
-            (self.has_head_masks or bool(self.local_heads and self.global_heads))
-            and src_len >= BAND_LSE_MIN_KEYS
-            and self._needs_no_matrix(need_weights, before_softmax, tgt_len, src_len, attn_mask)
-        )
-
     def _attention_dropout_p(self) -> float:
         module = self.dropout_module
         return module.p if self.training or module.apply_during_inference else 0.0
@@ -758,7 +720,10 @@ class LocalMultiheadAttention(nn.Module):
             bands, padding, self.scaling, self._attention_dropout_p(), self.causal, lse,
         )  # fmt: skip
 
-    def _attention_by_head_kind(self, q, k, v, key_padding_mask, attn_mask):
+    def _banded_path(self, q, k, v, query, window_keys, key_padding_mask, attn_mask):
+        return self._banded_attention(q, k, v, key_padding_mask)
+
+    def _attention_by_head_kind(self, q, k, v, query, window_keys, key_padding_mask, attn_mask):
         """Band heads, local heads and global heads of one layer, each on its own path."""
         parts, order = [], []
         if self.band_heads:
@@ -791,27 +756,21 @@ class LocalMultiheadAttention(nn.Module):
                 self._head_index_cache[key] = index
         return x.index_select(1, index)
 
-    def _can_use_fused(self, need_weights, before_softmax):
-        plain_heads = not (
-            self.has_local_heads
-            or self.has_head_masks
-            or self.localness is not None
-            or self.relative_positions is not None
-            or self.dynamic_windows
-        )
-        return plain_heads and self.groups_are_heads and not (need_weights or before_softmax)
+    def _fused_path(self, q, k, v, query, window_keys, key_padding_mask, attn_mask):
+        return self._fused_attention(q, k, v, key_padding_mask, attn_mask)
 
     def _fused_attention(self, q, k, v, key_padding_mask, attn_mask):
-        if self.causal and attn_mask is not None and key_padding_mask is None and (
-            q.size(2) == k.size(2)
-        ):  # the decoder's causal mask over a whole sequence: no (T, T) mask to read or test
-            return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self._attention_dropout_p(), is_causal=True
-            )
-        mask = _additive_mask(key_padding_mask, attn_mask, q.dtype, q.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self._attention_dropout_p()
-        )
+        """Global heads through ``scaled_dot_product_attention``, with the layer's causality."""
+        tgt_len, src_len = q.size(2), k.size(2)
+        dropout_p = self._attention_dropout_p()
+        if self.plan.kernel_causal(attn_mask, key_padding_mask, tgt_len, src_len):
+            # a whole causal sequence: no (T, T) mask to build or read
+            return fused_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        mask = self.plan.additive_mask(attn_mask, tgt_len, src_len, q.dtype, q.device)
+        if mask is not None:
+            mask = mask[None, None]
+        mask = _additive_mask(key_padding_mask, mask, q.dtype, q.device)
+        out = fused_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         if mask is not None:
             # Queries whose keys are all masked: zeros, as in the explicit path.
             no_key = torch.isneginf(mask).all(dim=-1, keepdim=True)
@@ -861,72 +820,14 @@ class LocalMultiheadAttention(nn.Module):
         shape = (0, bsz, tgt_len, src_len) if need_head_weights else (bsz, tgt_len, src_len)
         return out, query.new_zeros(shape)
 
-    # -- incremental decoding ---------------------------------------------------------------
-    def _extend_cached(self, saved_state, k, v, key_padding_mask, bsz, static_kv, extra_keys):
-        """Append this step's keys/values (and the extra keys of the window mechanisms) to the
-        cache, or reuse the cache for static encoder keys."""
-        if "prev_key" in saved_state:
-            prev_key, prev_value = saved_state["prev_key"], saved_state["prev_value"]
-            assert prev_key is not None and prev_value is not None
-            cached_extra = {name: saved_state[f"prev_{name}"] for name in self._extra_key_names()}
-            if static_kv or k is None:
-                k, v, extra_keys = prev_key, prev_value, cached_extra
-            else:
-                k = torch.cat([prev_key, k], dim=2)
-                v = torch.cat([prev_value, v], dim=2)
-                extra_keys = {n: torch.cat([cached_extra[n], extra_keys[n]], 2) for n in extra_keys}
-        key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
-            key_padding_mask=key_padding_mask,
-            prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
-            batch_size=bsz,
-            src_len=k.size(2),
-            static_kv=static_kv,
-        )
-        if key_padding_mask is not None:  # fairseq appends in float; the banded operator takes bool
-            key_padding_mask = key_padding_mask.bool()
-        saved_state["prev_key"] = k
-        saved_state["prev_value"] = v
-        saved_state["prev_key_padding_mask"] = key_padding_mask
-        for name, value in extra_keys.items():
-            saved_state[f"prev_{name}"] = value
-        if self.rolling_cache is not None:
-            self.rolling_cache.drop_unreachable(saved_state)
-        return k, v, key_padding_mask, extra_keys
-
-    def _extra_key_names(self) -> List[str]:
-        names = [f"window{g}" for g in range(len(self.dynamic_windows))]
-        return names + (["local_key"] if self.local_k_proj is not None else [])
-
-    @torch.jit.export
-    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
-        """Reorder cached keys/values to follow the beam search's new hypothesis order."""
-        input_buffer = self._get_input_buffer(incremental_state)
-        if input_buffer is not None:
-            for name, value in input_buffer.items():
-                if value is not None:
-                    input_buffer[name] = value.index_select(0, new_order)
-            incremental_state = self._set_input_buffer(incremental_state, input_buffer)
-        return incremental_state
-
-    def set_beam_size(self, beam_size: int):
-        """Called by fairseq's generator; every cache here is simply reordered per step."""
-
-    def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
-        result = self.get_incremental_state(incremental_state, "attn_state")
-        return result if result is not None else {}
-
-    def _set_input_buffer(self, incremental_state, buffer: Dict[str, Optional[Tensor]]):
-        return self.set_incremental_state(incremental_state, "attn_state", buffer)
-
     def extra_repr(self):
         heads = " ".join(s.token for s in self.head_specs)
         return f"layer={self.layer_index}, heads=[{heads}]"
 
 
-def _additive_mask(key_padding_mask, attn_mask, dtype, device) -> Optional[Tensor]:
-    """The causal (or any additive) mask and the key padding as one additive mask of 0 and -inf,
-    (bsz or 1, 1, tgt or 1, src), or None when there is neither."""
-    mask = None if attn_mask is None else attn_mask.to(dtype)[None, None]
+def _additive_mask(key_padding_mask, mask, dtype, device) -> Optional[Tensor]:
+    """An additive mask (1, 1, tgt, src) or None, and the key padding, as one additive mask of 0
+    and -inf, (bsz or 1, 1, tgt or 1, src), or None when there is neither."""
     if key_padding_mask is not None:
         pad = torch.zeros(key_padding_mask.shape, dtype=dtype, device=device)
         pad = pad.masked_fill(key_padding_mask.to(torch.bool), float("-inf"))[:, None, None]
@@ -938,3 +839,13 @@ def _full_query(q: Tensor) -> Tensor:
     """(bsz, groups, tgt, head_dim) -> (bsz, tgt, groups * head_dim): the whole query vector,
     which Yang et al.'s W_p reads."""
     return q.transpose(1, 2).flatten(2)
+
+
+# The method computing each path other than the explicit one (the steps inside forward).
+_PATH_METHODS = {
+    Path.FUSED: "_fused_path",
+    Path.GAUSSIAN_SDPA: "_gaussian_sdpa_attention",
+    Path.BANDED: "_banded_path",
+    Path.BY_HEAD_KIND: "_attention_by_head_kind",
+    Path.TERMS_OPERATOR: "_attention_with_terms",
+}

@@ -180,6 +180,32 @@ class LocalTransformerDecoder(TransformerDecoderBase):
         if not no_encoder_attn:
             bind_tied_projections(self.layers, "encoder_attn")
 
+    def buffered_future_mask(self, tensor):
+        """None: every self-attention layer of this decoder applies its own causality (the band's
+        right side, SDPA's causal kernel, or a mask built for the layers that read one), so no
+        (T, T) float mask is built for the whole decoder."""
+        return None
+
+    def extract_features_scriptable(
+        self,
+        prev_output_tokens,
+        encoder_out,
+        incremental_state=None,
+        full_context_alignment: bool = False,
+        alignment_layer=None,
+        alignment_heads=None,
+    ):
+        if full_context_alignment:
+            raise ValueError(
+                "full_context_alignment: the plugin's decoder self-attention layers are causal "
+                "whatever the caller's mask, so alignment over the full target context is not "
+                "available; leave it off"
+            )
+        return super().extract_features_scriptable(
+            prev_output_tokens, encoder_out, incremental_state, False, alignment_layer,
+            alignment_heads,
+        )  # fmt: skip
+
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         layer = LocalTransformerDecoderLayer(
             cfg, self.locality, self._layers_built, no_encoder_attn=no_encoder_attn

@@ -28,13 +28,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import banded_reference
+from . import banded_reference, measured_routes, route_table
 from .blocked_sdpa import blocked_sdpa_output
 from .second_derivatives import gradients_with_graph
 from .environment import environment_value
 
 IMPL_ENV = "LOCAL_ATTN_BANDED_IMPL"
-ROUTES = ("auto", "extension", "torch", "sdpa", "tensor-core")
+ROUTES = ("auto", "extension", "torch", "sdpa", "tensor-core", "flash-window", "cudnn-band")
 EXTENSION_MODULE = "local_attn_fairseq._banded_C"
 BUILD_HINT = (
     "build it with `pip install --no-build-isolation -e .` (or `make setup`) in the "
@@ -99,19 +99,19 @@ def _warn_once(key: str, message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatch.
+# Dispatch. What each route takes is declared in ops/route_table.py; which route ``auto`` takes
+# on a GPU comes from the committed GPU records (ops/measured_routes.py) where they decide the
+# call's cell, and from DEFAULT_GPU_PREFERENCES elsewhere.
 
-CUDA_MAX_HEAD_DIM = 256  # the CUDA kernels keep a row's share of each lane in registers
-TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
-TENSOR_CORE_HEAD_DIMS = (32, 64, 128)
-TENSOR_CORE_MIN_CAPABILITY = (8, 0)
+CUDA_MAX_HEAD_DIM = route_table.ROUTE_TABLE["extension"].head_dims.cuda_max
+LIBRARY_ROUTES = route_table.LIBRARY_ROUTES
 
 
 @dataclass(frozen=True)
 class GpuPreference:
     """A route that was measured faster on a GPU than the CUDA-core kernels, for the calls it
     covers: these dtypes and head dims, band widths (max left + max right + 1, clipped to the
-    sequence) in [min_width, max_width], no dropout unless the route has it."""
+    sequence) in [min_width, max_width]."""
 
     route: str
     dtypes: Tuple[torch.dtype, ...]
@@ -120,26 +120,35 @@ class GpuPreference:
     max_width: int
     measured: str  # GPU, torch version, date: the table in docs/banded_attention.md
 
-    def covers(self, dtype, head_dim, width, dropout_p) -> bool:
+    def covers(self, dtype, head_dim, width) -> bool:
         return (
             dtype in self.dtypes
             and head_dim in self.head_dims
             and self.min_width <= width <= self.max_width
-            and (dropout_p == 0.0 or self.route != "sdpa")
         )
 
 
-# What ``auto`` prefers on a GPU over the CUDA-core kernels, first match first: routes whose GPU
-# timings are in docs/banded_attention.md, each for exactly the dtypes, head dims and band widths
-# it was timed on. The tensor-core kernel passed its CUDA tests and was faster than the CUDA-core
-# kernels in every such cell, forward + backward (1.1x at w = 5 to 17x at w = 1025); blocked
-# SDPA was slower than the tensor-core kernel in every cell, so it has no entry.
+# What ``auto`` prefers on a GPU over the CUDA-core kernels in a cell that no committed record
+# decides, first match first, for calls the route can take (dropout included: the tensor-core
+# kernel applies the operator's keep-mask). Set after the first H200 run, whose float16 and
+# w = 5 cells are tables in docs/banded_attention.md rather than committed records: the
+# tensor-core kernel passed its CUDA tests and was faster than the CUDA-core kernels in every
+# such cell, forward + backward (1.1x at w = 5 to 17x at w = 1025); blocked SDPA was slower
+# than the tensor-core kernel in every cell, so it has no entry.
 _H200 = "NVIDIA H200, torch 2.11.0+cu130, 2026-11-26"
-MEASURED_GPU_PREFERENCES: Tuple[GpuPreference, ...] = (
+DEFAULT_GPU_PREFERENCES: Tuple[GpuPreference, ...] = (
     GpuPreference("tensor-core", (torch.bfloat16,), (64,), 5, 1025, _H200),
     GpuPreference("tensor-core", (torch.float16,), (64,), 5, 257, _H200),
     GpuPreference("tensor-core", (torch.bfloat16,), (32, 128), 33, 257, _H200),
 )
+
+
+def _measured_cells(cells) -> dict:
+    """(dtype, head dim, T, w) -> the route the committed records show fastest there."""
+    return {(getattr(torch, d), dim, t, w): r for (d, dim, t, w), r in cells.items() if r}
+
+
+MEASURED_ROUTES = _measured_cells(measured_routes.CELLS)
 
 
 def requested_route() -> str:
@@ -201,35 +210,92 @@ def _required_extension(device: torch.device, head_dim: int) -> str:
     return "extension"
 
 
+def _availability_reasons(route: str, device: torch.device) -> List[str]:
+    """Why ``route`` is missing here whatever the call: not built, or not importable."""
+    if route in ("extension", "tensor-core"):
+        module = load_extension()
+        if module is None:
+            error = route_table.first_line(_ExtensionState.error)
+            return [f"the extension is not built ({error})"]
+        if route == "tensor-core" and not _built_with_tensor_core(module):
+            return ["the extension was built without the tensor-core kernel"]
+        if device.type == "cuda" and not module.built_with_cuda():
+            return ["the extension was built without its CUDA kernels"]
+        return []
+    return route_table.library_reasons(route)
+
+
+def _call_needs(dropout_p: float) -> Tuple[str, ...]:
+    return ("dropout",) if dropout_p else ()
+
+
+def _route_reasons(route, device, dtype, head_dim, dropout_p) -> List[str]:
+    """Why ``route`` cannot take a self-attention call of these inputs here (no tensors
+    needed: what the table declares and what is built or importable)."""
+    reasons = route_table.declared_reasons(route, device, dtype, head_dim, _call_needs(dropout_p))
+    return reasons + _availability_reasons(route, device)
+
+
+def _per_head(window: Window, heads: int) -> List[int]:
+    """One int per head, negative ones kept (they are a reason, not an error, here)."""
+    if isinstance(window, (torch.Tensor, np.ndarray)) and window.ndim > 0:
+        return [operator.index(w) for w in window.tolist()]
+    if isinstance(window, SequenceABC):
+        return [operator.index(w) for w in window]
+    return [operator.index(window)] * heads
+
+
+def unsupported_reasons(
+    route: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    left: Window,
+    right: Window,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+) -> List[str]:
+    """Why ``route`` cannot take this call here, in words (empty: it can): what the route table
+    declares against it, what is not built or importable, and, for a library route the table
+    allows, what its adapter's ``unsupported_reasons`` says. q (B, H, Tq, D), k and v
+    (B, H, Tk, D); left and right an int or one per head."""
+    lefts, rights = _per_head(left, q.shape[1]), _per_head(right, q.shape[1])
+    needs = list(_call_needs(dropout_p))
+    if min(lefts + rights, default=0) < 0:
+        needs.append("query_excluding_bounds")
+    if q.shape[2] != k.shape[2]:
+        needs.append("unequal_lengths")
+    if key_padding_mask is not None:
+        needs.append("padding")
+    if len(set(zip(lefts, rights))) > 1:
+        needs.append("per_head_windows")
+    reasons = route_table.declared_reasons(route, q.device, q.dtype, q.shape[-1], needs)
+    reasons += _availability_reasons(route, q.device)
+    if not reasons and route in LIBRARY_ROUTES:
+        reasons = route_table.adapter_reasons(
+            route, q, k, v, lefts, rights, key_padding_mask, dropout_p
+        )
+    return reasons
+
+
 def tensor_core_gap(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
     """Why the tensor-core kernel cannot take these inputs, or None when it can."""
-    if device.type != "cuda":
-        return f"it runs on CUDA devices only, not {device.type}"
-    if dtype not in TENSOR_CORE_DTYPES:
-        return f"it takes float16 and bfloat16, not {str(dtype).replace('torch.', '')}"
-    if head_dim not in TENSOR_CORE_HEAD_DIMS:
-        return f"it takes head dims {TENSOR_CORE_HEAD_DIMS}, not {head_dim}"
-    if torch.cuda.get_device_capability(device) < TENSOR_CORE_MIN_CAPABILITY:
-        return "it needs a GPU of compute capability 8.0 or newer"
-    return None
+    reasons = route_table.declared_reasons("tensor-core", device, dtype, head_dim)
+    return reasons[0] if reasons else None
 
 
-def _route_available(route, device, dtype, head_dim) -> bool:
-    if route == "sdpa":
-        return True
-    module = load_extension()
-    if module is None:
-        return False
-    if route == "tensor-core":
-        return _built_with_tensor_core(module) and tensor_core_gap(device, dtype, head_dim) is None
-    return _extension_has_device(module, device, head_dim)
+def _serves(route, device, dtype, head_dim, dropout_p) -> bool:
+    return not _route_reasons(route, device, dtype, head_dim, dropout_p)
 
 
-def _automatic_route(device, dtype, head_dim, width, dropout_p) -> str:
+def _automatic_route(device, dtype, head_dim, width, dropout_p, length) -> str:
     if device.type == "cuda":
-        for preference in MEASURED_GPU_PREFERENCES:
-            if preference.covers(dtype, head_dim, width, dropout_p) and _route_available(
-                preference.route, device, dtype, head_dim
+        measured = MEASURED_ROUTES.get((dtype, head_dim, length, width))
+        if measured is not None and _serves(measured, device, dtype, head_dim, dropout_p):
+            return measured
+        for preference in DEFAULT_GPU_PREFERENCES:
+            if preference.covers(dtype, head_dim, width) and _serves(
+                preference.route, device, dtype, head_dim, dropout_p
             ):
                 return preference.route
     module = _loaded_or_warn()
@@ -252,48 +318,88 @@ def choose_route(
     head_dim: int = 0,
     width: int = 1,
     dropout_p: float = 0.0,
+    length: Optional[int] = None,
 ) -> str:
-    """The route a call runs: extension, tensor-core, sdpa or torch (see docs/banded_attention.md).
+    """The route a call of sequence length ``length`` runs (see docs/banded_attention.md,
+    "Routes and dispatch"; the routes are the keys of ``route_table.ROUTE_TABLE``).
 
     ``auto``: on the CPU the compiled kernels (PyTorch with a one-time warning when they are
-    not built); on a GPU the first entry of ``MEASURED_GPU_PREFERENCES`` that covers the call,
-    else the CUDA-core kernels, else PyTorch. ``sdpa`` and ``tensor-core`` are never chosen
-    without a GPU measurement; asked for by name, calls they cannot take (dropout for sdpa;
-    other devices, dtypes or head dims for tensor-core) take the ``auto`` route, with a warning
-    once. ``extension`` fails where it has no kernel; a missing tensor-core build fails too.
+    not built); on a GPU the route the committed records show fastest in the call's (dtype,
+    head dim, T, w) cell (``MEASURED_ROUTES``), where they decide it and the route can take
+    the call, else the first entry of ``DEFAULT_GPU_PREFERENCES`` that covers the call, else
+    the CUDA-core kernels, else PyTorch. A route that no GPU has run is never chosen.
+
+    Asked for by name, a route that cannot take a call is refused with a RuntimeError of one
+    line that names what it lacks, except the two fallbacks the docs promise: ``sdpa`` sends
+    calls with dropout, and ``tensor-core`` inputs it does not take (devices, dtypes, head
+    dims, older GPUs), to the ``auto`` route, with a warning once. ``extension`` fails where
+    it has no kernel.
     """
     if _cpu_kernels_take(device.type == "cpu"):
         return "extension"
     choice = requested_route()
+    if choice == "auto":
+        return _automatic_route(device, dtype, head_dim, width, dropout_p, length)
     if choice == "torch":
         return "torch"
     if choice == "extension":
         return _required_extension(device, head_dim)
+    missing = _availability_reasons(choice, device) if choice == "tensor-core" else None
+    if missing:
+        hint = f"it is built with the CUDA kernels where nvcc is found: {BUILD_HINT}"
+        raise RuntimeError(route_table.refusal(IMPL_ENV, choice, missing, hint))
+    reasons = _route_reasons(choice, device, dtype, head_dim, dropout_p)
+    if not reasons:
+        return choice
     if choice == "sdpa":
-        if dropout_p == 0.0:
-            return "sdpa"
         _warn_once(
             "sdpa/dropout",
             f"local_attn_fairseq: {IMPL_ENV}=sdpa cannot apply the operator's dropout mask; "
             "calls with dropout_p > 0 take the automatic route.",
         )
-    if choice == "tensor-core":
-        module = load_extension()
-        if module is None or not _built_with_tensor_core(module):
-            reason = _ExtensionState.error if module is None else "built without it"
-            raise RuntimeError(
-                f"{IMPL_ENV}=tensor-core but the tensor-core kernel is not available ({reason}); "
-                f"it is built with the CUDA kernels where nvcc is found: {BUILD_HINT}"
-            )
-        gap = tensor_core_gap(device, dtype, head_dim)
-        if gap is None:
-            return "tensor-core"
+    elif choice == "tensor-core":
+        gap = "; ".join(reasons)
         _warn_once(
             f"tensor-core/{gap}",
             f"local_attn_fairseq: {IMPL_ENV}=tensor-core, but {gap}; those calls take the "
             "automatic route.",
         )
-    return _automatic_route(device, dtype, head_dim, width, dropout_p)
+    else:
+        raise RuntimeError(route_table.refusal(IMPL_ENV, choice, reasons))
+    return _automatic_route(device, dtype, head_dim, width, dropout_p, length)
+
+
+@dataclass(frozen=True)
+class BandCapabilities:
+    """What the attention module may rely on for a band of given inputs: the route
+    ``banded_attention`` takes for them, that route's declaration in the route table, and
+    every route that could take them here."""
+
+    route: str
+    support: route_table.RouteSupport
+    usable: Tuple[str, ...]
+
+    def supports(self, feature: str) -> bool:
+        """Whether the route taken declares ``feature`` (a name of ``route_table.FEATURES``)."""
+        return self.support.supports(feature)
+
+
+def band_capabilities(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    width: int = 1,
+    dropout_p: float = 0.0,
+    length: Optional[int] = None,
+) -> BandCapabilities:
+    """The route table's answer for a band of these inputs (see ``BandCapabilities``)."""
+    route = choose_route(device, dtype, head_dim, width, dropout_p, length)
+    usable = tuple(
+        name
+        for name in route_table.ROUTE_TABLE
+        if _serves(name, device, dtype, head_dim, dropout_p)
+    )
+    return BandCapabilities(route, route_table.route_support(route), usable)
 
 
 def use_extension(device: torch.device, head_dim: int = 0) -> bool:
@@ -638,13 +744,15 @@ def banded_attention(
     if _cpu_kernels_take(q.is_cpu):
         route = "extension"
     else:
-        route = choose_route(q.device, q.dtype, dim, width, dropout_p)
+        route = choose_route(q.device, q.dtype, dim, width, dropout_p, length)
     nonfinite = None
     values = v
     if not _all_finite(v):
         nonfinite = nonfinite_value_reach(v, band_left, band_right, key_padding_mask)
         values = v.masked_fill(~torch.isfinite(v), 0)
-    keep = draw_dropout_keep((batch, heads, length, width), dropout_p, q.device)
+    # the library routes draw their own dropout mask with their kernels' RNG
+    keep_p = 0.0 if route in LIBRARY_ROUTES else dropout_p
+    keep = draw_dropout_keep((batch, heads, length, width), keep_p, q.device)
     args = (q, k, values, band_left, band_right, key_padding_mask, keep, scale, dropout_p)
     out = _run_route(route, args)
     if nonfinite is not None:
@@ -663,4 +771,22 @@ def _run_route(route: str, args) -> torch.Tensor:
     if route == "sdpa":
         q, k, v, left, right, key_padding_mask, _, scale, _ = args
         return blocked_sdpa_output(q, k, v, left, right, key_padding_mask, scale)
+    if route in LIBRARY_ROUTES:
+        return _library_route_output(route, args)
     return _TorchBandedAttention.apply(*args)[0]
+
+
+def _library_route_output(route: str, args) -> torch.Tensor:
+    """A library route's output, after its adapter's own check of the call. The operator's
+    keep-mask is not theirs to apply: the library draws its dropout mask with its own RNG."""
+    q, k, v, left, right, key_padding_mask, _, scale, dropout_p = args
+    reasons = route_table.adapter_reasons(route, q, k, v, left, right, key_padding_mask, dropout_p)
+    if not reasons:
+        attention = route_table.adapter_attention(route)
+        return attention(q, k, v, left, right, key_padding_mask, scale, dropout_p)[0]
+    if requested_route() == route:
+        raise RuntimeError(route_table.refusal(IMPL_ENV, route, reasons))
+    width = max(left) + max(right) + 1  # a measured cell the adapter refuses: the default rule
+    fallback = _automatic_route(q.device, q.dtype, q.shape[-1], width, dropout_p, None)
+    keep = draw_dropout_keep((*q.shape[:3], width), dropout_p, q.device)  # the operator's own
+    return _run_route(fallback, (q, k, v, left, right, key_padding_mask, keep, scale, dropout_p))

@@ -1,6 +1,8 @@
 """The language-model demo's pieces: the running text, what it reads of fairseq's tools, its
 models and options (the demo end to end: tests/scripts/test_lm_demo.py)."""
 
+import os
+
 import pytest
 
 from local_attn_fairseq.experiments import lm_demo
@@ -56,16 +58,48 @@ def test_read_perplexity_reads_fairseq_eval_lm(tmp_path):
         lm_demo.read_perplexity(str(path))
 
 
+def fairseq_train_commands(settings, tmp_path, monkeypatch):
+    """{arch: the fairseq-train command} the demo would run for each model (nothing runs)."""
+    started = []
+    monkeypatch.setattr(lm_demo, "train_unfinished", lambda jobs, **_: started.extend(jobs))
+    lm_demo.train_models(str(tmp_path / "bin"), str(tmp_path), settings, minutes=15)
+    commands = {}
+    for job in started:
+        command = [str(c) for c in job.command]
+        commands[command[command.index("--arch") + 1]] = command
+    return commands
+
+
+def without_option(command, option):
+    """(the command without ``option VALUE``, VALUE); VALUE is None where it is absent."""
+    if option not in command:
+        return command, None
+    at = command.index(option)
+    assert option not in command[at + 1 :], f"{option} given twice"
+    return command[:at] + command[at + 2 :], command[at + 1]
+
+
 @pytest.mark.parametrize("settings", [lm_demo.FULL, lm_demo.QUICK], ids=["full", "quick"])
-def test_the_two_models_differ_only_in_their_heads(settings):
-    (_, base, base_extra), (_, local, local_extra) = lm_demo.models(settings)
-    assert (base, base_extra) == ("transformer_lm", [])
+def test_the_two_models_train_with_the_same_options_but_their_heads(
+    settings, tmp_path, monkeypatch
+):
+    commands = fairseq_train_commands(settings, tmp_path, monkeypatch)
+    assert sorted(commands) == ["transformer_lm", "transformer_lm_local"]
+    rest = {}
+    for arch, command in commands.items():
+        command, _ = without_option(command, "--arch")
+        command, save_dir = without_option(command, "--save-dir")
+        assert os.path.basename(save_dir).startswith(f"{arch}-")  # each model its own folder
+        rest[arch], rest[arch + " spec"] = without_option(command, "--locality-config")
+    assert rest["transformer_lm spec"] is None
     window = f"local-{settings.window}"
-    assert local == "transformer_lm_local" and local_extra == [
-        "--locality-config", "{decoder_self: {all: [" + ", ".join([window] * settings.heads) + "]}}"
-    ]  # fmt: skip
-    options = [lm_demo.training_options(settings, "bin", arch, []) for arch in (base, local)]
-    assert [o[:4] + o[5:] for o in options] == [options[0][:4] + options[0][5:]] * 2
+    assert rest["transformer_lm_local spec"] == (
+        "{decoder_self: {all: [" + ", ".join([window] * settings.heads) + "]}}"
+    )
+    assert rest["transformer_lm_local"] == rest["transformer_lm"]
+    budget, _ = lm_demo.budget_options(settings, 15)  # the same budget too
+    command = rest["transformer_lm"]
+    assert command[command.index(budget[0]) + 1] == str(budget[1])
 
 
 def test_the_budget_is_minutes_of_training_or_a_smoke_runs_updates():

@@ -1,5 +1,7 @@
 """The benchmarks' shared measurements."""
 
+import gc
+
 import torch
 
 from local_attn_fairseq.experiments.measurement import (
@@ -55,3 +57,30 @@ def test_the_cpu_allocation_peak_counts_what_is_live_at_once():
         torch.empty(1 << 20, dtype=torch.uint8)  # 2 + 1 MiB again, freed at once: no new peak
 
     assert 3 << 20 <= cpu_allocation_peak(call) < (3 << 20) + (1 << 16)
+
+
+def test_the_cpu_allocation_peak_is_not_lowered_by_earlier_garbage_collected_inside_it():
+    """A tensor allocated in an earlier measurement and then held only by a reference cycle lives
+    until Python's collector runs; freed inside the next measurement, it would count there as a
+    negative allocation and hide a peak of its size."""
+    gc.disable()  # only the explicit collections below run
+    try:
+        held = []
+
+        def build_garbage():
+            cycle = [torch.empty(2 << 20, dtype=torch.uint8)]
+            cycle.append(cycle)
+            held.append(cycle)
+
+        cpu_allocation_peak(build_garbage)
+        held.clear()  # the cycle is garbage now, freed at the next collection
+        kept = []
+
+        def call():
+            kept.append(torch.empty(1 << 20, dtype=torch.uint8))
+            gc.collect()  # as Python's collector may run at any allocation of objects
+            kept.append(torch.empty(1 << 20, dtype=torch.uint8))
+
+        assert 2 << 20 <= cpu_allocation_peak(call) < (2 << 20) + (1 << 16)
+    finally:
+        gc.enable()

@@ -2,7 +2,9 @@
 head is causal-local keep only the last window of keys while decoding, and every way of decoding
 (beam search, --prefix-size, sampling, ensembles, shallow fusion, fairseq-interactive, the hub
 interface, LM prompts of different lengths, lengths beyond the training blocks) gives what the
-full cache (LOCAL_ATTN_FULL_DECODER_CACHE=1) gives."""
+full cache (LOCAL_ATTN_FULL_DECODER_CACHE=1) gives. Both caches share the step path, so the
+decoder's steps are also checked against the full pass over the whole sequence (teacher
+forcing), which takes no step at all."""
 
 import pytest
 import torch
@@ -273,3 +275,86 @@ def test_each_lm_family_continues_prompts_as_with_the_full_cache(arch, tiny_data
     sample = {"net_input": {"src_tokens": src, "src_lengths": (src != d.pad()).sum(1)}}
     config = GenerationConfig(beam=2, max_len_a=0, max_len_b=24, min_len=20)
     assert_generator_decodes_as_with_the_full_cache(model, task, sample, config, monkeypatch)
+
+
+# -- against the full pass: teacher forcing ------------------------------------------------------
+
+
+def words(dictionary, count, seed):
+    """``count`` ids of ordinary words of ``dictionary`` (no special symbol), drawn at random."""
+    return torch.randint(dictionary.nspecial, len(dictionary), (count,),
+                         generator=torch.Generator().manual_seed(seed))  # fmt: skip
+
+
+def cached_keys(model, state):
+    """The keys each decoder layer's self-attention holds in ``state``."""
+    return [layer.self_attn._get_input_buffer(state)["prev_key"].size(2)
+            for layer in model.decoder.layers]  # fmt: skip
+
+
+def assert_steps_equal_the_full_pass(model, tokens, encoder_out, reorder_at, new_order):
+    """fairseq's decoder fed ``tokens`` (bsz, T) one step at a time, with the rolling cache and
+    the beam reordered after step ``reorder_at``, gives at every position the output of the full
+    pass over the whole sequence without incremental state (teacher forcing): before the
+    reordering over ``tokens``, after it over the rows the reordering made (each row's first
+    steps from the row it now continues)."""
+    reordered = tokens.clone()
+    reordered[:, : reorder_at + 1] = tokens[new_order, : reorder_at + 1]
+    moved_encoder_out = None
+    if encoder_out is not None:
+        moved_encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
+    with torch.no_grad():
+        before = model.decoder(tokens, encoder_out=encoder_out)[0]
+        after = model.decoder(reordered, encoder_out=moved_encoder_out)[0]
+        state, steps, stepped = {}, [], encoder_out
+        for t in range(tokens.size(1)):
+            prefix = (tokens if t <= reorder_at else reordered)[:, : t + 1]
+            steps.append(model.decoder(prefix, encoder_out=stepped, incremental_state=state)[0])
+            if t == reorder_at:  # as fairseq's sequence generator reorders its beams
+                model.decoder.reorder_incremental_state_scripting(state, new_order)
+                stepped = moved_encoder_out
+    steps = torch.cat(steps, dim=1)
+    torch.testing.assert_close(steps[:, : reorder_at + 1], before[:, : reorder_at + 1],
+                               atol=1e-5, rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(steps[:, reorder_at + 1 :], after[:, reorder_at + 1 :],
+                               atol=1e-5, rtol=1e-4)  # fmt: skip
+    return cached_keys(model, state)
+
+
+def test_mt_decoding_step_by_step_equals_the_full_pass(mt_checkpoints, monkeypatch):
+    """The translation model's decoder over 20 target tokens for two left-padded sources: the
+    rolling layer keeps its window's keys, the global layer every key."""
+    monkeypatch.delenv(FULL_CACHE_VARIABLE, raising=False)
+    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([str(mt_checkpoints[1])])
+    model.eval()
+    d = task.source_dictionary
+    lines = [d.encode_line(s, add_if_not_exist=False).long()
+             for s in ("Das ist ein gutes Buch .", "Er kommt .")]  # fmt: skip
+    src = torch.full((2, len(lines[0])), d.pad())
+    for i, line in enumerate(lines):
+        src[i, -len(line) :] = line
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=torch.tensor([len(x) for x in lines]))
+    eos = task.target_dictionary.eos()
+    targets = torch.stack([words(task.target_dictionary, 19, seed) for seed in (1, 2)])
+    tokens = torch.cat([torch.full((2, 1), eos), targets], dim=1)
+    cached = assert_steps_equal_the_full_pass(
+        model, tokens, encoder_out, reorder_at=9, new_order=torch.tensor([1, 1])
+    )
+    assert cached == [model.decoder.layers[0].self_attn.rolling_cache.reach, 20]
+
+
+def test_lm_decoding_step_by_step_equals_the_full_pass(lm_checkpoint, monkeypatch):
+    """The language model over 40 tokens of two rows: its two rolling layers keep their
+    windows' keys, the global layer every key."""
+    monkeypatch.delenv(FULL_CACHE_VARIABLE, raising=False)
+    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([str(lm_checkpoint)])
+    model.eval()
+    d = task.source_dictionary
+    tokens = torch.stack([torch.cat([torch.tensor([d.eos()]), words(d, 39, seed)])
+                          for seed in (3, 4)])  # fmt: skip
+    cached = assert_steps_equal_the_full_pass(
+        model, tokens, None, reorder_at=24, new_order=torch.tensor([1, 0])
+    )
+    reach = [layer.self_attn.rolling_cache for layer in model.decoder.layers]
+    assert cached == [reach[0].reach, 40, reach[2].reach]

@@ -70,8 +70,11 @@ def test_banded_and_explicit_paths_equal_the_written_out_softmax(tied):
 def test_decoder_local_heads_decode_incrementally_like_the_full_pass():
     attn = attention(["local-2", "local-3-0", "local-1", "local-5"], causal=True)
     x = torch.randn(7, 2, E)
-    full, _ = attn(x, x, x, attn_mask=FUTURE(7), need_weights=False)  # banded
-    torch.testing.assert_close(decode_step_by_step(attn, x), full, atol=1e-5, rtol=1e-4)
+    banded, _ = attn(x, x, x, need_weights=False)  # the layer's own causality: the band path
+    explicit, _ = attn(x, x, x, attn_mask=FUTURE(7), need_weights=False)  # a caller's mask
+    stepped = decode_step_by_step(attn, x)
+    torch.testing.assert_close(stepped, banded, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(stepped, explicit, atol=1e-5, rtol=1e-4)
 
 
 def test_a_local_layer_builds_no_sequence_by_sequence_matrix():

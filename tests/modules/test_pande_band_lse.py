@@ -16,6 +16,7 @@ from ..conftest import TINY_MODEL
 from .helpers import decode_step_by_step
 
 attention_module = importlib.import_module("local_attn_fairseq.modules.local_multihead_attention")
+plan_module = importlib.import_module("local_attn_fairseq.modules.attention_plan")
 lse_module = importlib.import_module("local_attn_fairseq.ops.band_with_global_lse")
 
 E, H = 32, 4
@@ -75,7 +76,8 @@ def assert_paths_agree(attn, x, dtype, **kw):
 @pytest.fixture(autouse=True)
 def band_path_at_every_length(monkeypatch):
     """These short sequences take the band path too (by default it starts at longer ones)."""
-    monkeypatch.setattr(attention_module, "BAND_LSE_MIN_KEYS", 0)
+    monkeypatch.setattr(plan_module, "PANDE_BAND_MIN_KEYS", 0)
+    monkeypatch.setattr(plan_module, "LOCAL_BESIDE_GLOBAL_MIN_KEYS", 0)
 
 
 @pytest.fixture(params=["cpu-flash", "blocked"])
@@ -117,9 +119,9 @@ def test_encoder_layer_equals_the_explicit_path(layout, dtype, band_calls, lse_r
 def test_causal_decoder_layer_equals_the_explicit_path(layout, dtype, band_calls, lse_route):
     attn = attention(LAYOUTS[layout], causal=True, dtype=dtype)
     x = torch.randn(8, 2, E, dtype=dtype)
-    assert_paths_agree(attn, x, dtype, attn_mask=FUTURE(8))
+    assert_paths_agree(attn, x, dtype)  # causality from the layer, on both paths
     # with left-padded targets (--left-pad-target): the first rows have no key at all
-    assert_paths_agree(attn, x, dtype, attn_mask=FUTURE(8), key_padding_mask=left_padded(2, 8))
+    assert_paths_agree(attn, x, dtype, key_padding_mask=left_padded(2, 8))
     assert band_calls
 
 
@@ -136,7 +138,7 @@ def test_incremental_decoding_equals_the_full_pass(layout, band_calls):
     attn = attention(LAYOUTS[layout], causal=True)
     x = torch.randn(7, 2, E)
     with torch.no_grad():
-        full, _ = attn(x, x, x, attn_mask=FUTURE(7), need_weights=False)
+        full, _ = attn(x, x, x, need_weights=False)
         steps = decode_step_by_step(attn, x)
     assert band_calls  # the full pass took the new path
     torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-4)
@@ -170,16 +172,15 @@ def test_local_and_global_heads_take_their_own_paths(causal, monkeypatch):
     logits, and the explicit path's outputs and gradients."""
     attn = attention(["local-2", "global", "local-5", "global"], causal=causal)
     x = torch.randn(9, 3, E)
-    mask = {"attn_mask": FUTURE(9)} if causal else {"key_padding_mask": left_padded(3, 9)}
+    mask = {} if causal else {"key_padding_mask": left_padded(3, 9)}
     assert_paths_agree(attn, x, torch.float32, **mask)
-    monkeypatch.setattr(attention_module, "BAND_LSE_MIN_KEYS", 48)
+    monkeypatch.setattr(plan_module, "LOCAL_BESIDE_GLOBAL_MIN_KEYS", 48)
     attn.banded_kernel = True
     length = 1024
     x = torch.randn(length, 1, E, requires_grad=True)
-    future = {"attn_mask": FUTURE(length)} if causal else {}
     recorder = TensorRecorder()
     with recorder:
-        out, _ = attn(x, x, x, need_weights=False, **future)
+        out, _ = attn(x, x, x, need_weights=False)
         out.sum().backward()
     assert recorder.largest < length * length / 8  # the explicit path's (B, H, T, T) is 4 T^2
     assert torch.isfinite(x.grad).all()
@@ -261,8 +262,8 @@ def test_model_with_band_heads_equals_the_explicit_path_and_decodes_incrementall
 
 
 def test_short_sequences_take_the_dense_path_by_default(band_calls, monkeypatch):
-    """Below BAND_LSE_MIN_KEYS keys the dense masks are cheaper; both paths agree."""
-    monkeypatch.setattr(attention_module, "BAND_LSE_MIN_KEYS", 12)
+    """Below PANDE_BAND_MIN_KEYS keys the dense masks are cheaper; both paths agree."""
+    monkeypatch.setattr(plan_module, "PANDE_BAND_MIN_KEYS", 12)
     attn = attention(LAYOUTS["tied"])
     for length, band_path in ((11, False), (12, True)):
         x = torch.randn(length, 2, E)

@@ -1,5 +1,6 @@
 """The rolling window cache: a decoder self-attention layer whose every head is causal-local keeps
-only the keys its windows still reach while decoding, with the full cache's outputs."""
+only the keys its windows still reach while decoding, with the full cache's outputs and those of
+the full pass over the whole sequence (no step, no cache)."""
 
 import pytest
 import torch
@@ -53,7 +54,8 @@ def test_a_causal_local_layer_caches_at_most_its_window():
 
 def test_rolling_cache_equals_the_full_cache_with_padding_and_reordering(monkeypatch):
     """Left-padded prompts (padding at the first steps of one row; a row whose window holds only
-    padding gives zeros) and a beam reordering mid-way."""
+    padding gives zeros) and a beam reordering mid-way; both caches against the full pass over
+    the whole sequence, which takes no step (after the reordering, over the rows it chose)."""
     attn = decoder_attention(LOCAL)
     x = torch.randn(30, 3, E)
     padding = torch.zeros(3, 30, dtype=torch.bool)
@@ -62,6 +64,12 @@ def test_rolling_cache_equals_the_full_cache_with_padding_and_reordering(monkeyp
     order = dict(reorder_at=15, new_order=torch.tensor([2, 0, 0]))
     rolling, cached = decode(attn, x, padding, **order)
     assert cached[-1] == 5
+    moved, moved_padding = x.index_select(1, order["new_order"]), padding[order["new_order"]]
+    with torch.no_grad():
+        before, _ = attn(x, x, x, padding, need_weights=False)
+        after, _ = attn(moved, moved, moved, moved_padding, need_weights=False)
+    torch.testing.assert_close(rolling[:16], before[:16], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rolling[16:], after[16:], atol=1e-5, rtol=1e-4)
     monkeypatch.setenv(FULL_CACHE_VARIABLE, "1")
     full, cached = decode(attn, x, padding, **order)
     assert cached[-1] == 30

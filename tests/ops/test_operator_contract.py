@@ -4,6 +4,7 @@ derivatives: computed correctly (gradgradcheck, float64) where PyTorch's operati
 refused with one error naming the operator and the route that computes them where the compiled
 kernels would give wrong ones."""
 
+import functools
 import importlib
 
 import pytest
@@ -11,12 +12,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from local_attn_fairseq.locality.spec import HeadSpec
+from local_attn_fairseq.modules.attention_plan import PANDE_BAND_MIN_KEYS, Path
 from local_attn_fairseq.modules.local_multihead_attention import LocalMultiheadAttention
 from local_attn_fairseq.ops import band_with_global_lse, extension_info, mechanisms
 
 from .test_banded_attention import _forward_samples, make_padding, make_qkv
 from .test_mechanisms import (
-    B, H, S, gaussian_parameters, local_scores, module, padding, window_case,
+    B, H, HEADS, S, gaussian_parameters, local_scores, module, padding, window_case,
 )  # fmt: skip
 
 banded_module = importlib.import_module("local_attn_fairseq.ops.banded_attention")
@@ -287,31 +289,105 @@ def test_band_of_full_softmax_second_derivatives(monkeypatch, route):
     assert torch.autograd.gradgradcheck(attention, (q, k, v))
 
 
+def mechanism_layer_in_float64(layout, x, params):
+    """The self-attention layer of ``module(layout)`` (no padding, not causal, no dropout) as the
+    papers write it, in float64: ``params`` are its parameters by name. MW (Nguyen et al. Eq. 13):
+    softmax(qk^T / sqrt(d)) * M; AW (Eqs. 14-16): softmax(qk^T / sqrt(d) + s_loc * M); Gaussian
+    (Yang et al. Eqs. 6-9, the query strategy): softmax(qk^T / sqrt(d) - 2 (j - P)^2 / D^2)."""
+    tgt, bsz, dim = x.shape
+    heads = HEADS
+    head_dim = dim // heads
+
+    def linear(name, width=heads):  # x W^T + b, split into `width` heads (bsz, width, tgt, d)
+        y = x @ params[f"{name}.weight"].t()
+        if f"{name}.bias" in params:
+            y = y + params[f"{name}.bias"]
+        return y.view(tgt, bsz, width, head_dim).permute(1, 2, 0, 3)
+
+    q, k, v = linear("q_proj"), linear("k_proj"), linear("v_proj")
+    logits = q @ k.transpose(-1, -2) / head_dim**0.5
+    if layout in ("mw", "aw"):  # Eqs. 7-9: pointers phi_l, phi_r and the soft window M
+        pointer_q = linear("dynamic_windows.0.query_pointers", 2 * heads) / head_dim**0.5
+        pointer_k = linear("dynamic_windows.0.key_pointers", 2 * heads)
+        phi_l, phi_r = (pointer_q @ pointer_k.transpose(-1, -2)).softmax(-1).chunk(2, dim=1)
+
+        def at_most(phi):  # P(pointer <= j), and P(pointer >= j) below
+            return phi.cumsum(-1)
+
+        def at_least(phi):
+            return phi.flip(-1).cumsum(-1).flip(-1)
+
+        window = at_most(phi_l) * at_least(phi_r) + at_most(phi_r) * at_least(phi_l)
+    if layout == "aw":
+        local_scores = linear("local_q_proj") @ linear("local_k_proj").transpose(-1, -2)
+        logits = logits + local_scores / head_dim**0.5 * window
+    if layout == "gaussian":
+        query = (x @ params["q_proj.weight"].t() + params["q_proj.bias"]).transpose(0, 1)
+        hidden = torch.tanh(query @ params["localness.w_p.weight"].t())
+        length = float(tgt)  # I: every key is real
+        centre = length * torch.sigmoid(hidden @ params["localness.u_p.weight"].t())
+        width = length * torch.sigmoid(hidden @ params["localness.u_d.weight"].t())
+        centre, width = centre.transpose(1, 2)[..., None], width.transpose(1, 2)[..., None]
+        position = torch.arange(tgt, dtype=x.dtype)
+        logits = logits - 2 * (position - centre).square() / width.square()
+    probs = logits.softmax(-1)
+    if layout == "mw":
+        probs = probs * window
+    out = (probs @ v).permute(2, 0, 1, 3).reshape(tgt, bsz, dim)
+    return out @ params["out_proj.weight"].t() + params["out_proj.bias"]
+
+
+def gradient_penalty_gradients(layer, x, params):
+    """d/d(x, params) of a gradient penalty: sum of the squared gradients of sum(sin(layer))."""
+    leaves = [x, *params]
+    grads = torch.autograd.grad(layer(x, params).sin().sum(), leaves, create_graph=True)
+    return torch.autograd.grad(sum(g.square().sum() for g in grads), leaves)
+
+
+def assert_second_derivatives_as_written_out(second, attn, x, written_out):
+    """``second`` (a float32 layer's gradient_penalty_gradients over x and its parameters)
+    equals the penalty's gradients through ``written_out(x, {name: parameter})`` in float64,
+    within 1e-5 of the largest entry (float32 is off by ~1e-7 of it)."""
+    names = [name for name, p in attn.named_parameters() if p.requires_grad]
+    params = [p for p in attn.parameters() if p.requires_grad]
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, *params)]
+
+    def layer(x, params):
+        return written_out(x, dict(zip(names, params)))
+
+    expected = gradient_penalty_gradients(layer, leaves[0], leaves[1:])
+    assert expected[0].norm() > 0.1
+    largest = max(want.abs().max().item() for want in expected)
+    for name, got, want in zip(["x", *names], second, expected):
+        torch.testing.assert_close(
+            got.double(), want, rtol=1e-4, atol=1e-5 * largest, msg=lambda m: f"{name}: {m}"
+        )
+
+
 @pytest.mark.parametrize("layout", ["mw", "aw", "gaussian"])
 def test_a_layer_of_mechanism_heads_refuses_or_computes_second_derivatives(monkeypatch, layout):
     """The issue's case: a gradient penalty through a layer of MW, AW or Gaussian heads. On the
-    C++ operators it is refused by name; with LOCAL_ATTN_MECHANISM_IMPL=torch it is computed."""
-    x = torch.randn(5, 2, module(layout).embed_dim, requires_grad=True)
+    C++ operators it is refused by name; with LOCAL_ATTN_MECHANISM_IMPL=torch it is computed,
+    and equals the same penalty's gradients through the layer written out in float64."""
+    attn = module(layout)
+    params = [p for p in attn.parameters() if p.requires_grad]
+    x = torch.randn(5, 2, attn.embed_dim, generator=torch.Generator().manual_seed(3))
+    x.requires_grad_(True)
 
-    def penalty():
-        attn = module(layout)
-        out = attn(x, x, x, need_weights=False)[0]
-        params = [p for p in attn.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(out.sin().sum(), [x, *params], create_graph=True)
-        return sum(g.square().sum() for g in grads), params
+    def layer(x, params):
+        return attn(x, x, x, need_weights=False)[0]
 
-    total, params = penalty()
     with pytest.raises(RuntimeError, match="second derivatives.*LOCAL_ATTN_MECHANISM_IMPL=torch"):
-        torch.autograd.grad(total, [x, *params])
+        gradient_penalty_gradients(layer, x, params)
     monkeypatch.setenv("LOCAL_ATTN_MECHANISM_IMPL", "torch")
-    total, params = penalty()
-    second = torch.autograd.grad(total, [x, *params])
-    assert all(torch.isfinite(g).all() for g in second)
-    assert second[0].norm() > 0
+    second = gradient_penalty_gradients(layer, x, params)
+    assert_second_derivatives_as_written_out(
+        second, attn, x, functools.partial(mechanism_layer_in_float64, layout)
+    )
 
 
-def test_a_layer_of_band_heads_second_derivatives_are_right(monkeypatch):
-    """gradgradcheck through a layer of band heads on the PyTorch route, in float64 (the
+def test_a_layer_of_local_heads_second_derivatives_are_right(monkeypatch):
+    """gradgradcheck through a layer of local heads on the PyTorch route, in float64 (the
     mechanisms' dense path takes its softmax in float32, as fairseq's attention does, so a
     float64 check of it would measure float32 rounding)."""
     monkeypatch.setenv("LOCAL_ATTN_BANDED_IMPL", "torch")
@@ -327,3 +403,102 @@ def test_a_layer_of_band_heads_second_derivatives_are_right(monkeypatch):
         return attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)[0]
 
     assert torch.autograd.gradgradcheck(layer, (x,))
+
+
+# Pande's heads of a config (i) layer (every head's Q/K that of head 0), and band heads beside
+# global ones, each head with its own Q/K
+PANDE_LAYERS = {
+    "config (i)": [HeadSpec("identity")] + [
+        HeadSpec(mask, (0, 0))
+        for mask in ("identity", "prev-1", "prev-2", "next-1", "next-2", "band-1", "band-2")
+    ],
+    "band and global": [HeadSpec(m) for m in ("band-1", "band-2", "global", "global")] * 2,
+}
+
+
+def path_of(attn, length):
+    """The path of the layer's plan for a whole sequence of ``length`` tokens (no mask)."""
+    queries = torch.empty(2, attn.num_heads, length, attn.head_dim, dtype=attn.q_proj.weight.dtype)
+    return attn.plan.path(queries, queries, length, None, False)
+
+
+def pande_layer(heads):
+    torch.manual_seed(0)
+    attn = LocalMultiheadAttention(16, 8, head_specs=heads, self_attention=True).double()
+    attn.bind_qk_owners([attn])
+    return attn
+
+
+@pytest.mark.parametrize("layer", sorted(PANDE_LAYERS))
+def test_a_layer_of_pande_band_heads_second_derivatives_are_right(monkeypatch, layer):
+    """gradgradcheck in float64 through a layer of Pande's band heads at the length from which
+    it takes the band path (the band of the full softmax, ops.band_with_global_lse), on the
+    PyTorch route, with left padding: the layer's input moves along four random directions and
+    its output is read through a fixed random projection (checking every input and output
+    element would take minutes; gradgradcheck's fast_mode misses a backward that autograd
+    cannot differentiate)."""
+    monkeypatch.setenv("LOCAL_ATTN_BANDED_IMPL", "torch")
+    attn = pande_layer(PANDE_LAYERS[layer])
+    tgt = PANDE_BAND_MIN_KEYS
+    assert path_of(attn, tgt) is Path.BY_HEAD_KIND
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tgt, 2, 16, dtype=torch.float64, generator=generator)
+    directions = torch.randn(4, tgt, 2, 16, dtype=torch.float64, generator=generator)
+    readout = torch.randn(x.numel(), 3, dtype=torch.float64, generator=generator)
+    key_padding_mask = make_padding("left", 2, tgt)
+
+    def layer_output(step):
+        moved = x + torch.tensordot(step, directions, dims=1)
+        out = attn(moved, moved, moved, key_padding_mask=key_padding_mask, need_weights=False)
+        return out[0].flatten() @ readout
+
+    step = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(layer_output, (step,))
+
+
+def pande_layer_in_float64(attn, x, params):
+    """A layer of Pande's heads (no padding) as the paper writes it, in float64: each head's
+    softmax over every key, times its fixed mask (1 on the offsets j - i it keeps), times v; a
+    tied head uses its owner's Q/K. ``params``: the layer's parameters by name."""
+    tgt, bsz, dim = x.shape
+    head_dim = dim // attn.num_heads
+
+    def heads(name):
+        y = x @ params[f"{name}.weight"].t() + params[f"{name}.bias"]
+        return y.view(tgt, bsz, -1, head_dim).permute(1, 2, 0, 3)
+
+    q, k, v = heads("q_proj"), heads("k_proj"), heads("v_proj")
+    owners = sorted({(spec.qk_owner or (0, h))[1] for h, spec in enumerate(attn.head_specs)})
+    offset = torch.arange(tgt)[None, :] - torch.arange(tgt)[:, None]  # j - i
+    outputs = []
+    for h, spec in enumerate(attn.head_specs):
+        row = owners.index((spec.qk_owner or (0, h))[1])
+        probs = (q[:, row] @ k[:, row].transpose(-1, -2) / head_dim**0.5).softmax(-1)
+        lo, hi = spec.bounds.lo, spec.bounds.hi
+        kept = torch.ones_like(offset, dtype=torch.bool)
+        if lo is not None:
+            kept &= offset >= lo
+        if hi is not None:
+            kept &= offset <= hi
+        outputs.append((probs * kept) @ v[:, h])
+    out = torch.stack(outputs, dim=1).permute(2, 0, 1, 3).reshape(tgt, bsz, dim)
+    return out @ params["out_proj.weight"].t() + params["out_proj.bias"]
+
+
+@pytest.mark.parametrize("layer", sorted(PANDE_LAYERS))
+def test_a_short_layer_of_pande_band_heads_second_derivatives_are_right(monkeypatch, layer):
+    """Below the band path's length the layer takes the explicit path (on PyTorch's operations,
+    the route the C++ terms operator's refusal names), whose softmax is float32 (as fairseq's):
+    its gradient penalty's gradients against the layer written out in float64."""
+    monkeypatch.setenv("LOCAL_ATTN_MECHANISM_IMPL", "torch")  # not the C++ terms operator
+    attn = pande_layer(PANDE_LAYERS[layer]).float()
+    x = torch.randn(9, 2, 16, requires_grad=True)
+    assert path_of(attn, 9) is Path.EXPLICIT
+
+    def layer_output(x, params):
+        return attn(x, x, x, need_weights=False)[0]
+
+    second = gradient_penalty_gradients(layer_output, x, list(attn.parameters()))
+    assert_second_derivatives_as_written_out(
+        second, attn, x, functools.partial(pande_layer_in_float64, attn)
+    )
