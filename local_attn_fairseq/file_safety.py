@@ -7,12 +7,13 @@ no folder that the project did not create is emptied or written into without ``-
 
 import contextlib
 import fnmatch
+import json
 import os
 import re
 import secrets
 import shutil
 import sys
-from typing import Iterator, List
+from typing import Iterator, List, Type
 
 # A folder created by one of the project's tools holds this file, naming the tool.
 OWNER_MARKER = ".local_attn_fairseq_output"
@@ -204,3 +205,15 @@ def staged_dir(folder: str, tool: str) -> Iterator[str]:
         os.rename(folder, replaced)
     os.rename(partial, folder)
     shutil.rmtree(replaced, ignore_errors=True)
+
+
+def read_json(path: str, error: Type[Exception]):
+    """The JSON value of the file at ``path``; one that cannot be read, or is not JSON, raises
+    ``error`` with one line naming the file and the fault."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except OSError as fault:
+        raise error(f"{path}: cannot be read ({fault.strerror or fault})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as fault:
+        raise error(f"{path}: not JSON ({fault})") from None

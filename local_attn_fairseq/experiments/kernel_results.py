@@ -8,9 +8,10 @@ The figures are copied from the records, never re-measured, so that every number
 docs can be traced to the run that gave it. This module only reads JSON: it imports no torch.
 """
 
-import json
 import numbers
 from typing import Dict, Iterable, List, Sequence, Tuple
+
+from ..file_safety import read_json
 
 # The routes the docs compare, in the order of their columns: the CUDA-core kernels (the
 # benchmark's "banded" route), the tensor-core kernel, blocked SDPA, FlexAttention, SDPA with a
@@ -70,14 +71,7 @@ def check_records(records, source: str) -> List[dict]:
 
 def load_records(path: str) -> List[dict]:
     """The records of one --json file, checked; MalformedRecords names the file and the fault."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except OSError as error:
-        raise MalformedRecords(f"{path}: cannot be read ({error.strerror or error})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise MalformedRecords(f"{path}: not JSON ({error})") from None
-    return check_records(data, path)
+    return check_records(read_json(path, MalformedRecords), path)
 
 
 def load_files(paths: Iterable[str]) -> List[dict]:

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from local_attn_fairseq.experiments import long_context
 from local_attn_fairseq.experiments.long_context import decoding, memory, models, training
@@ -82,6 +83,39 @@ def test_the_rolling_cache_decodes_as_the_full_one_and_holds_only_the_window(qui
 
 
 @pytest.mark.slow
+def test_the_rolling_cache_decodes_on_alone_timed_beside_a_fresh_one(quick_run):
+    proc, record = quick_run
+    settings, decoding = record["settings"], record["decoding"]
+    (point,) = decoding["rolling_cache_alone"]
+    assert point["t"] == settings["rolling_decode_lengths"][0] > settings["decode_lengths"][-1]
+    assert point["reference_t"] == settings["decode_lengths"][0]
+    assert point["ms_per_token"] > 0 and point["reference_ms_per_token"] > 0
+    ratio = point["ms_per_token"] / point["reference_ms_per_token"]
+    assert point["ms_per_token_over_reference"] == pytest.approx(ratio)
+    # still the window's keys, as at every lockstep length
+    assert point["cache_bytes_per_layer"] == decoding["points"][0]["local"]["cache_bytes_per_layer"]
+    assert f"| {point['t']} | {point['ms_per_token']:.2f} |" in proc.stdout
+
+
+def test_a_reference_decoder_restarts_from_the_prompt_and_decodes_as_the_first_did():
+    """The reference of the rolling points: a fresh state from the same prompt gives the same
+    greedy tokens and logits as the decoder it was restarted from gave at those steps."""
+    settings = long_context.Settings(**long_context.QUICK_SIZES)
+    with models.LanguageModelBuilder(settings) as builder, torch.no_grad():
+        rolling = decoding.prompted_decoders(builder)["local"]
+        logits = []
+        for index in range(24):
+            rolling.advance(index)
+            logits.append(rolling.logits)
+        fresh = rolling.restarted("reference", 16)
+        assert fresh.state == {} and fresh.step_seconds == [] and fresh.tokens.shape == (1, 17)
+        for index in range(16):
+            fresh.advance(index)
+            torch.testing.assert_close(fresh.logits, logits[index], rtol=0, atol=1e-5)
+        assert torch.equal(fresh.tokens[0], rolling.tokens[0, :17])
+
+
+@pytest.mark.slow
 def test_a_configuration_over_the_memory_cap_is_reported_not_run(quick_run):
     proc, record = quick_run
     longest = record["training"][-1]
@@ -114,7 +148,8 @@ def test_running_out_of_memory_is_reported_and_other_errors_are_not_hidden(monke
     with models.LanguageModelBuilder(settings) as builder:
         infos = memory.describe_models(builder)
         measured = {name: {} for name in infos}
-        cells = training.train_at_length(builder, infos, 32, measured, lines.append)
+        timed = {name: {} for name in infos}
+        cells = training.train_at_length(builder, infos, 32, measured, timed, lines.append)
         assert cells["mixed"].does_not_fit.startswith("out of memory (RuntimeError: ")
         assert cells["mixed"].step_seconds == [] and 32 not in measured["mixed"]
         assert cells["global"].words_per_second > 0 and cells["local"].peak_bytes > 0
@@ -125,7 +160,50 @@ def test_running_out_of_memory_is_reported_and_other_errors_are_not_hidden(monke
 
         monkeypatch.setattr(memory, "build_trainer", broken)
         with pytest.raises(ValueError, match="a bug"):
-            training.train_at_length(builder, infos, 32, measured, lines.append)
+            training.train_at_length(builder, infos, 32, measured, timed, lines.append)
+
+
+def test_a_configuration_over_the_time_cap_is_reported_too_slow_and_not_built(monkeypatch):
+    settings = long_context.Settings(
+        **dict(long_context.QUICK_SIZES, lengths=(32, 64), rounds=1, time_cap_minutes=1)
+    )
+
+    def build(*args):
+        raise AssertionError("a model over the time cap was built")
+
+    lines = []
+    with models.LanguageModelBuilder(settings) as builder:
+        infos = memory.describe_models(builder)
+        measured = {name: {16: 10**6} for name in infos}
+        # the global model took 10 s a step at T = 16 and 40 at 32: 160 at 64, 480 for 3 steps
+        timed = {name: {16: 0.001, 32: 0.002} for name in infos}
+        timed["global"] = {16: 10.0, 32: 40.0}
+        monkeypatch.setattr(memory, "build_trainer", build)
+        with pytest.raises(AssertionError, match="was built"):
+            training.train_at_length(builder, infos, 64, measured, timed, lines.append)
+        only_global = {"global": infos["global"]}
+        cells = training.train_at_length(builder, only_global, 64, measured, timed, lines.append)
+    cell = cells["global"]
+    assert cell.estimated_seconds == pytest.approx(480)
+    assert cell.too_slow.startswith("estimated 8.0 min for 3 steps > time cap 1 min")
+    assert not cell.measured and not cell.does_not_fit and cell.step_seconds == []
+    assert 64 not in timed["global"] and 64 not in measured["global"]
+    record = cell.record()
+    assert record["fits"] and record["too_slow"] == cell.too_slow
+    assert record["words_per_second"] is None and record["peak_bytes"] is None
+    assert any("T=64 global: too slow, not run (estimated 8.0 min" in line for line in lines)
+
+
+def test_the_time_estimate_extends_the_time_per_token_along_a_line():
+    # nothing measured: no estimate (the model runs)
+    assert training.estimated_step_seconds(100, {}) is None
+    # one shorter length: the same time per token
+    assert training.estimated_step_seconds(100, {50: 5.0}) == pytest.approx(10.0)
+    # two or more: the time per token on the line through the two longest shorter ones
+    timed = {10: 1.0, 20: 4.0, 40: 16.0, 1000: 1.0}  # 0.1 s per token per 10 tokens of T
+    assert training.estimated_step_seconds(80, timed) == pytest.approx(80 * 0.8)
+    # a time per token that fell is held, not extrapolated down
+    assert training.estimated_step_seconds(80, {20: 4.0, 40: 4.0}) == pytest.approx(8.0)
 
 
 def test_the_estimate_adds_the_square_term_to_a_line_through_the_shorter_lengths():
@@ -166,6 +244,8 @@ def test_the_script_refuses_an_existing_record_and_bad_sizes_before_measuring(tm
         (["--heads", 4, "--global-heads", 4], "--global-heads"),
         (["--dims", 60], "not a multiple of --heads"),
         (["--decode-lengths", 4], "shorter than --timing-steps"),
+        (["--rolling-decode-lengths", 64], "not longer than the longest --decode-lengths"),
+        (["--time-cap-minutes", -1], "must be more than 0"),
         (["--memory-cap-gb", 0], "must be more than 0"),
     ):
         proc = run_script(SCRIPT, "--quick", *options, "--output", tmp_path / "new.json")
@@ -194,26 +274,63 @@ def test_the_all_local_model_trains_in_memory_linear_in_its_length():
     assert probed["local"] < 0.5 and probed["global"] >= 4, probed
 
 
-def test_the_full_run_reports_fairseqs_model_as_not_fitting_at_the_longest_lengths():
+def test_the_full_run_reports_fairseqs_model_as_too_slow_then_not_fitting():
     """At the full run's sizes, from the global model's measurements in the committed record (its
-    bytes per T^2 and its peaks at the shorter lengths), the estimate at T = 32768 and 65536
-    exceeds the default cap: the run reports it with that estimate instead of training it."""
+    bytes per T^2, its peaks and its step times at the shorter lengths): at T = 32768 its steps
+    exceed the default time cap, at 65536 its memory exceeds the memory cap, which the all-local
+    model's own estimate there stays under; the run reports both with their estimates instead
+    of training them."""
     settings = long_context.Settings(**long_context.FULL_SIZES)
     assert {32768, 65536} <= set(settings.lengths)
     with open(RECORD, encoding="utf-8") as f:
         record = json.load(f)
-    model = record["models"]["global"]
-    assert record["settings"]["dims"] == settings.dims and model["arch"] == "transformer_lm"
-    info = memory.ModelInfo(
-        contenders(settings)[0],
-        model["parameters"],
-        4 * model["parameters"],  # float32
-        model["training_bytes_per_length_squared"],
-    )
-    measured = {
-        row["length"]: row["models"]["global"]["peak_bytes"]
-        for row in record["training"]
-        if row["models"]["global"]["fits"]
-    }
-    for length in (32768, 65536):
-        assert info.estimated_bytes(length, measured) > settings.memory_cap_bytes
+    assert record["settings"]["dims"] == settings.dims
+    assert record["models"]["global"]["arch"] == "transformer_lm"
+
+    def estimates(name, length):
+        model = record["models"][name]
+        info = memory.ModelInfo(
+            contenders(settings)[list(record["models"]).index(name)],
+            model["parameters"],
+            4 * model["parameters"],  # float32
+            model["training_bytes_per_length_squared"],
+        )
+        rows = [(row["length"], row["models"][name]) for row in record["training"]]
+        rows = [(t, cell) for t, cell in rows if cell["peak_bytes"] and t < length]
+        measured = {t: cell["peak_bytes"] for t, cell in rows}
+        timed = {t: t / cell["words_per_second"] for t, cell in rows}
+        step = training.estimated_step_seconds(length, timed)
+        return info.estimated_bytes(length, measured), (2 + settings.rounds) * step
+
+    memory_32k, seconds_32k = estimates("global", 32768)
+    assert seconds_32k > settings.time_cap_seconds
+    assert estimates("global", 65536)[0] > settings.memory_cap_bytes
+    assert estimates("local", 65536)[0] < settings.memory_cap_bytes
+
+
+@pytest.mark.slow
+def test_a_record_is_reported_and_drawn_from_its_file(quick_run, tmp_path):
+    """--from-record prints the tables the run printed and draws the record (the models not run
+    at T = 256 at their estimates); a file that is not a record is one line."""
+    proc, record = quick_run
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(record))
+    figure = tmp_path / "figure.png"
+    again = run_script(SCRIPT, "--from-record", path, "--plot", figure)
+    assert again.returncode == 0, again.stderr[-3000:]
+    out = proc.stdout
+    tables = out[out.index("long context (CPU") : out.index("record: ")].strip()
+    assert again.stdout.startswith(tables)
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert again.stdout.strip().endswith(f"figure: {figure}")
+    refused = run_script(SCRIPT, "--from-record", path, "--plot", figure)
+    assert refused.returncode == 1 and "--plot" in refused.stderr and "exists" in refused.stderr
+    (tmp_path / "other.json").write_text('{"benchmark": "banded_attention"}')
+    (tmp_path / "broken.json").write_text('{"benchmark": ')
+    for name, message in (("other.json", "not a record of benchmarks/long_context.py"),
+                          ("broken.json", "not JSON"), ("missing.json", "cannot be read")):
+        bad = run_script(SCRIPT, "--from-record", tmp_path / name)
+        assert bad.returncode == 1 and message in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+    mixed = run_script(SCRIPT, "--from-record", path, "--quick")
+    assert mixed.returncode == 2 and "measures nothing" in mixed.stderr

@@ -28,16 +28,26 @@ FAMILIES = {
 }
 
 
+# Test sentences decoded in a batch and one at a time (a batch of one costs a generator's step
+# per token of every sentence): enough to mix lengths, so that the batch pads.
+TEST_SENTENCES = 12
+
+
 @pytest.fixture(scope="module")
 def multilingual_data(tiny_data, tmp_path_factory):
-    """The tiny corpus binarised in both directions with its one joined dictionary."""
+    """The tiny corpus binarised in both directions with its one joined dictionary, its test
+    split cut to its first TEST_SENTENCES pairs."""
     root = tmp_path_factory.mktemp("multilingual")
     dictionary = tiny_data / "bin" / "dict.de.txt"
+    for lang in ("de", "en"):
+        with open(tiny_data / "small" / f"test.{lang}", encoding="utf-8") as f:
+            lines = f.readlines()[:TEST_SENTENCES]
+        (root / f"test.{lang}").write_text("".join(lines), encoding="utf-8")
     for src, tgt in (("de", "en"), ("en", "de")):
         prefixes = [
-            option for split in ("train", "valid", "test")
+            option for split in ("train", "valid")
             for option in (f"--{split}pref", tiny_data / "small" / split)
-        ]  # fmt: skip
+        ] + ["--testpref", root / "test"]  # fmt: skip
         fairseq_cli(
             "fairseq-preprocess", "--source-lang", src, "--target-lang", tgt, *prefixes,
             "--destdir", root / "bin",
@@ -68,7 +78,8 @@ def test_both_directions_train_and_decode_alone_as_in_a_batch(
         *MULTILINGUAL, *langs, "--max-update", 3, "--save-dir", tmp_path, "--dropout", 0.1,
     )  # fmt: skip
     checkpoint = tmp_path / "checkpoint_last.pt"
-    for src, tgt, batches in (("de", "en", (40, 1)), ("en", "de", (40,))):
+    every = TEST_SENTENCES  # one batch
+    for src, tgt, batches in (("de", "en", (every, 1)), ("en", "de", (every,))):
         decoded = {}
         for batch in batches:
             out = fairseq_cli(
@@ -78,8 +89,10 @@ def test_both_directions_train_and_decode_alone_as_in_a_batch(
                 "--required-batch-size-multiple", 1,
             )  # fmt: skip
             decoded[batch] = hypotheses(out.stdout)
-        assert sorted(decoded[40]) == list(range(40)), (src, tgt)
-        for i, (text, score) in decoded[40].items():
+        assert sorted(decoded[every]) == list(range(TEST_SENTENCES)), (src, tgt)
+        with open(multilingual_data / f"test.{src}", encoding="utf-8") as f:
+            assert len({len(line.split()) for line in f}) > 1  # the batch pads some sources
+        for i, (text, score) in decoded[every].items():
             assert "__en__" not in text and "__de__" not in text
             if 1 in decoded:
                 alone_text, alone_score = decoded[1][i]

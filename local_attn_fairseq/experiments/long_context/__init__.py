@@ -8,10 +8,12 @@ in training and in incremental decoding (``benchmarks/long_context.py``).
 - ``memory``: the training memory of a model at T, measured (the peak of torch's allocations
   from its construction through two steps) and estimated before it runs (its T^2 term measured
   at short lengths, the rest extrapolated linearly);
-- ``training``: every model at one T: the fit check, the memory, the timed alternating rounds;
+- ``training``: every model at one T: the fit and time checks, the memory, the timed
+  alternating rounds;
 - ``decoding``: greedy decoding one token at a time through fairseq's incremental state, the
-  rolling window cache against the full one;
-- ``benchmark``: the whole run and its JSON record; ``report``: the record as markdown.
+  rolling window cache against the full one, then the rolling cache alone to longer lengths;
+- ``benchmark``: the whole run and its JSON record; ``report``: the record as markdown, and a
+  record read back; ``plot``: the record's figure (time and memory against T).
 """
 
 from .benchmark import run

@@ -30,6 +30,12 @@ def machine() -> dict:
         "torch": torch.__version__,
         "fairseq": fairseq.__version__,
         "python": platform.python_version(),
+        # glibc's malloc settings and a preloaded allocator change the time of large
+        # allocations (docs/benchmarks.md: fresh pages for every tensor over 32 MiB)
+        "allocator_environment": {
+            name: value for name, value in os.environ.items()
+            if name.startswith("MALLOC_") or name == "LD_PRELOAD"
+        },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -56,15 +62,16 @@ def run(
         infos = describe_models(builder)
         record["models"] = {name: info.record() for name, info in infos.items()}
         measured = {name: {} for name in infos}
+        timed = {name: {} for name in infos}
         for length in settings.lengths:
-            cells = train_at_length(builder, infos, length, measured, progress)
+            cells = train_at_length(builder, infos, length, measured, timed, progress)
             record["training"].append({
                 "length": length,
                 "models": {name: cell.record() for name, cell in cells.items()},
                 "ratios": training_ratios(cells),
             })  # fmt: skip
             save(record)
-        progress(f"decoding {max(settings.decode_lengths)} tokens, one at a time")
+        progress(f"decoding {settings.longest_decode} tokens, one at a time")
         record["decoding"] = decoding_record(settings, decode(builder, progress))
     record["complete"] = True
     save(record)

@@ -6,6 +6,11 @@ with its rolling window cache and with ``LOCAL_ATTN_FULL_DECODER_CACHE=1``, the 
 the rolling cache's tokens so that every step's logits can be compared. At each length t: the
 median time per token over the steps ending at t, and the bytes each layer's cache holds (the
 buffers its tensors keep alive: a slice holds its whole buffer).
+
+Past the last lockstep length the rolling cache decodes on alone (the others' time per token
+grows with t) to each rolling length t; its steps ending at t are timed side by side with a
+second rolling decoder started afresh from the prompt, whose steps end at the first lockstep
+length, so that the growth from that length to t is a ratio of one moment of the machine.
 """
 
 import contextlib
@@ -25,6 +30,7 @@ from .settings import Settings, contenders
 PROMPT_TOKENS = 8
 # float32 logits of the same computation over the same keys; rounding alone differs
 LOGIT_TOLERANCE = 1e-4
+REPORT_SECONDS = 30  # between progress lines
 
 
 @contextlib.contextmanager
@@ -84,6 +90,18 @@ class Decoder:
             self.step_seconds.append(time.perf_counter() - start)
         self.logits = out[0, -1]
 
+    def restarted(self, name: str, steps: int) -> "Decoder":
+        """A decoder of the same model and cache from the same prompt, with an empty state and
+        room for ``steps`` steps."""
+        tokens = self.tokens[:, : steps + 1].clone()  # past the prompt, written step by step
+        return Decoder(name, self.model, self.full_cache, tokens, self.first_word)
+
+    def advance(self, index: int) -> None:
+        """``step``, and after the prompt feed the greedy choice as the next token."""
+        self.step(index)
+        if index + 1 >= PROMPT_TOKENS:
+            self.tokens[0, index + 1] = self.greedy()
+
     def greedy(self) -> torch.Tensor:
         """The likeliest word: never a special symbol (fairseq's generator never emits padding,
         nor eos before --min-len, which here is every step)."""
@@ -95,11 +113,27 @@ class Decoder:
 
 
 @dataclass
+class RollingPoint:
+    """The rolling cache alone at t, timed beside a fresh one at the first lockstep length."""
+
+    t: int
+    ms_per_token: float
+    reference_t: int
+    reference_ms_per_token: float
+    cache_bytes_per_layer: List[int]
+
+    def record(self) -> dict:
+        growth = self.ms_per_token / self.reference_ms_per_token
+        return dict(vars(self), ms_per_token_over_reference=growth)
+
+
+@dataclass
 class DecodingResult:
     decoders: Dict[str, Decoder]
     steps_compared: int
     same_tokens: bool  # the full cache's greedy choice equals the rolling cache's at every step
     max_logit_difference: float
+    rolling_points: List[RollingPoint] = field(default_factory=list)
 
     @property
     def agree(self) -> bool:
@@ -118,7 +152,7 @@ def prompted_decoders(builder: LanguageModelBuilder) -> Dict[str, Decoder]:
     prompt[0] = dictionary.eos()  # fairseq's LM prefixes start with eos
 
     def prompted(name, model, full_cache):
-        tokens = torch.full((1, max(settings.decode_lengths) + 1), dictionary.pad())
+        tokens = torch.full((1, settings.longest_decode + 1), dictionary.pad())
         tokens[0, :PROMPT_TOKENS] = prompt
         return Decoder(name, model.eval(), full_cache, tokens, dictionary.nspecial)
 
@@ -154,12 +188,55 @@ def decode(builder: LanguageModelBuilder, progress: Callable[[str], None]) -> De
             if t in settings.decode_lengths:
                 for decoder in order:
                     decoder.cache_bytes[t] = layer_cache_bytes(decoder.model, decoder.state)
-            if t in settings.decode_lengths or time.monotonic() - last_report > 30:
+            if t in settings.decode_lengths or time.monotonic() - last_report > REPORT_SECONDS:
                 last_report = time.monotonic()
                 window = min(t, settings.timing_steps)
                 times = ", ".join(f"{d.name} {d.ms_per_token(t, window):.2f}" for d in order)
                 progress(f"decoding t={t}/{steps}: ms per token {times}")
-    return DecodingResult(decoders, steps, same_tokens, max_difference)
+        result = DecodingResult(decoders, steps, same_tokens, max_difference)
+        result.rolling_points = decode_on(builder, rolling, progress)
+    return result
+
+
+def decode_on(
+    builder: LanguageModelBuilder, rolling: Decoder, progress: Callable[[str], None]
+) -> List[RollingPoint]:
+    """The rolling decoder on from where the lockstep stopped to each rolling length t; its
+    last ``timing_steps`` steps before t alternate with those of a fresh rolling decoder of the
+    same model ending at the first lockstep length (its earlier steps untimed)."""
+    settings = builder.settings
+    steps, reference_t = settings.timing_steps, settings.decode_lengths[0]
+    points, last_report = [], time.monotonic()
+    index = len(rolling.step_seconds)
+    for t in settings.rolling_decode_lengths:
+        while index < t - steps:
+            rolling.advance(index)
+            index += 1
+            if time.monotonic() - last_report > REPORT_SECONDS:
+                last_report = time.monotonic()
+                ms = rolling.ms_per_token(index, min(index, steps))
+                progress(f"decoding on, rolling cache alone: t={index}/{t}, {ms:.2f} ms per token")
+        reference = rolling.restarted("reference", reference_t)
+        for reference_index in range(reference_t - steps):
+            reference.advance(reference_index)
+        for offset in range(steps):
+            pair = (rolling, index), (reference, reference_t - steps + offset)
+            for decoder, at in pair if offset % 2 == 0 else pair[::-1]:
+                decoder.advance(at)
+            index += 1
+        point = RollingPoint(
+            t,
+            rolling.ms_per_token(t, steps),
+            reference_t,
+            reference.ms_per_token(reference_t, steps),
+            layer_cache_bytes(rolling.model, rolling.state),
+        )
+        points.append(point)
+        progress(
+            f"decoding on, rolling cache alone: t={t} {point.ms_per_token:.2f} ms per token, "
+            f"t={reference_t} beside it {point.reference_ms_per_token:.2f}"
+        )
+    return points
 
 
 def decoding_record(settings: Settings, result: DecodingResult) -> dict:
@@ -185,6 +262,7 @@ def decoding_record(settings: Settings, result: DecodingResult) -> dict:
         "ms_per_token_last_over_first": {
             name: last[name]["ms_per_token"] / first[name]["ms_per_token"] for name in decoders
         },
+        "rolling_cache_alone": [point.record() for point in result.rolling_points],
         "rolling_vs_full_cache": {
             "steps": result.steps_compared,
             "same_greedy_tokens": result.same_tokens,
