@@ -8,6 +8,7 @@ from typing import Optional
 from ...analysis.output import pyplot
 from ...file_safety import atomic_output
 from .settings import GiB
+from .training import UNTIMED_STEPS
 
 COLOURS = {"global": "C3", "local": "C0", "mixed": "C2"}
 
@@ -23,8 +24,8 @@ def _ms_per_token(cell: dict) -> Optional[float]:
 
 
 def _estimated_ms_per_token(length: int, cell: dict, rounds: int) -> Optional[float]:
-    seconds = cell.get("estimated_seconds")  # of all its steps, two untimed and the rounds
-    return 1e3 * seconds / (2 + rounds) / length if seconds else None
+    seconds = cell.get("estimated_seconds")  # of all its steps, the untimed and the rounds
+    return 1e3 * seconds / (UNTIMED_STEPS + rounds) / length if seconds else None
 
 
 def draw(record: dict, path: str) -> str:
