@@ -26,7 +26,7 @@ THROUGHPUT = os.path.join("benchmarks", "training_throughput.py")
 def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     """``make demo``'s command with its default corpus, the Bible, on a slice of it."""
     work = tmp_path / "demo"
-    argv = ["--work-dir", work, "--epochs", "1", "--max-train", "1500", "--test-size", "50"]
+    argv = ["--work-dir", work, "--epochs", "1", "--max-train", "600", "--test-size", "20"]
     argv += ["--vocab-size", "1000"]
     out = run_script(DEMO, *argv, separate_process=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -38,7 +38,7 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
             re.M,
         ), out.stdout[-3000:]
     assert "\r" not in out.stdout
-    assert "Bible en-es (WEB / Reina-Valera 1909) test (50 sentences), 1 epochs" in out.stdout
+    assert "Bible en-es (WEB / Reina-Valera 1909) test (20 sentences), 1 epochs" in out.stdout
     table = out.stdout[out.stdout.index("| model |") :]
     assert re.search(r"\| transformer \(baseline\) \| 0\.\d+M \| [\d.]+ \| \d+ \|", table)
     assert re.search(r"\| transformer_local_tied \| 0\.\d+M \| [\d.]+ \| \d+ \|", table)
