@@ -23,6 +23,11 @@ LOCAL_ATTN_FULL_DECODER_CACHE=1, whose logits are compared step by step; then th
 cache alone on to each --rolling-decode-lengths t, timed beside a fresh one at the first
 decode length. The method in detail: ``local_attn_fairseq/experiments/long_context/``.
 
+The run starts itself again under tcmalloc (--allocator; scripts/setup_env.sh installs it):
+glibc's malloc gives every freed activation over 32 MiB back to the kernel and faults it in
+again at every step, which makes time per token grow with T for reasons that are not the
+model's (local_attn_fairseq/cpu_allocator.py). The record names the malloc it ran under.
+
 Prints the tables with their ratios and writes the record (JSON) to --output, rewritten after
 every training length so that a run cut short keeps what it measured; --plot draws time per
 token and peak memory against T (PNG).
@@ -36,6 +41,7 @@ import sys
 import torch
 
 from local_attn_fairseq.cli_types import output_file, positive_int
+from local_attn_fairseq.cpu_allocator import loaded_allocator, restart_under_tcmalloc
 from local_attn_fairseq.experiments import long_context
 from local_attn_fairseq.experiments.long_context import plot
 from local_attn_fairseq.experiments.long_context.report import NotARecord, read_record
@@ -105,6 +111,15 @@ def parse_args(argv=None):
         "--threads", type=positive_int, help="torch intra-op threads (default: torch's)"
     )
     parser.add_argument(
+        "--allocator",
+        choices=("tcmalloc", "system"),
+        default="tcmalloc",
+        help="malloc of the run: tcmalloc (default; the script starts itself again with it "
+        "preloaded, or says why it cannot and runs on the system's) or the one the process "
+        "has. glibc's returns every large activation to the kernel and faults it in again at "
+        "every step, which makes time per token grow with T",
+    )
+    parser.add_argument(
         "--output",
         type=output_file,
         metavar="FILE.json",
@@ -171,6 +186,11 @@ def main(argv=None):
         if args.plot:
             print(f"figure: {plot.draw(record, args.plot)}")
         return
+    if args.allocator == "tcmalloc":
+        why_not = restart_under_tcmalloc()  # returns only where it does not start again
+        if why_not:
+            print(f"| long_context | --allocator tcmalloc: {why_not}; measuring under "
+                  f"{loaded_allocator()}'s malloc, as the record says", file=sys.stderr)  # fmt: skip
     if args.threads:
         torch.set_num_threads(args.threads)
     record = long_context.run(

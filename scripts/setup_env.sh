@@ -16,12 +16,13 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${LOCAL_ATTN_VENV:-$ROOT/.venv}
 WHEEL_CACHE=${LOCAL_ATTN_WHEEL_CACHE:-$HOME/.cache/local_attn_fairseq/wheels}
 PYTHON=${PYTHON:-python3}
-APT_PACKAGES=(trans-de-en espeak-ng diatheke sword-text-web sword-text-sparv)
+APT_PACKAGES=(trans-de-en espeak-ng diatheke sword-text-web sword-text-sparv libtcmalloc-minimal4)
 FAIRSEQ=fairseq-fixed==0.12.3.1
 
 log() { echo "[setup] $*"; }
 
-# 1. Debian packages (the demos' corpora: the Ding dictionary, the SWORD Bibles and their reader).
+# 1. Debian packages (the demos' corpora: the Ding dictionary, the SWORD Bibles and their reader;
+#    tcmalloc, under which the long-context benchmark runs).
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

@@ -8,6 +8,9 @@ rebuild the same model from the checkpoint alone. Train with fairseq's ``languag
 task; the dynamic windows decode incrementally with the same outputs as the full forward pass.
 """
 
+import logging
+
+import torch
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerConfig
@@ -19,6 +22,7 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.utils import safe_getattr
 
+from ..cpu_allocator import slow_malloc_warning
 from ..locality.spec import LocalitySpec
 from ..modules.transformer_layers import LocalTransformerDecoder
 from .locality_options import (
@@ -31,6 +35,8 @@ from .locality_options import (
 )
 from .precision_check import check_training_precision
 from .resume_check import use_stored_options_on_resume
+
+logger = logging.getLogger(__name__)
 
 
 def lm_locality_spec(args) -> LocalitySpec:
@@ -78,6 +84,11 @@ class LocalTransformerLanguageModel(HeadGateQueries, TransformerLanguageModel):
             args.max_target_positions = safe_getattr(
                 args, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS
             )
+        if safe_getattr(args, "cpu", False) or not torch.cuda.is_available():
+            tokens = safe_getattr(args, "tokens_per_sample", 0) or 0
+            warning = slow_malloc_warning(tokens, args.decoder_embed_dim)
+            if warning:
+                logger.warning(warning)
         embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
         decoder = LocalTransformerDecoder(
             TransformerConfig.from_namespace(args),

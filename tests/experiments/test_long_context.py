@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from local_attn_fairseq.cpu_allocator import find_tcmalloc
 from local_attn_fairseq.experiments import long_context
 from local_attn_fairseq.experiments.long_context import decoding, memory, models, training
 from local_attn_fairseq.experiments.long_context.settings import contenders
@@ -26,9 +27,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory, one_torch_thread):
     output = tmp_path_factory.mktemp("long_context") / "record.json"
+    # its own process, as a user starts it: it starts itself again under tcmalloc
     proc = run_script(
-        SCRIPT, "--quick", "--threads", 1, "--memory-cap-gb", CAP_GIB, "--output", output
-    )
+        SCRIPT, "--quick", "--threads", 1, "--memory-cap-gb", CAP_GIB, "--output", output,
+        separate_process=True,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(output.read_text())
 
@@ -41,6 +44,8 @@ def test_the_quick_run_prints_its_tables_and_writes_its_record(quick_run):
     assert "| long_context | T=256 mixed: does not fit" in proc.stderr  # progress lines
     assert record["complete"] and record["benchmark"] == "long_context"
     assert record["machine"]["threads"] == 1
+    assert record["machine"]["allocator"] == ("tcmalloc" if find_tcmalloc() else "glibc")
+    assert f"{record['machine']['allocator']}'s malloc" in proc.stdout
     assert {"torch", "fairseq", "date", "cpu"} <= set(record["machine"])
     settings = record["settings"]
     assert settings["lengths"] == [64, 256] and settings["layers"] == 2

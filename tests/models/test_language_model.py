@@ -2,6 +2,7 @@
 fairseq-eval-lm, the sequence generator's incremental decoding, and the stored spec."""
 
 import json
+import logging
 import re
 
 import pytest
@@ -10,7 +11,7 @@ from fairseq import checkpoint_utils, tasks
 from fairseq.data import Dictionary
 from fairseq.dataclass.configs import GenerationConfig
 
-from local_attn_fairseq import compat
+from local_attn_fairseq import compat, cpu_allocator
 from local_attn_fairseq.locality.spec import LocalitySpecError
 from local_attn_fairseq.modules.head_pruning import prune_checkpoint
 
@@ -322,3 +323,20 @@ def test_fairseq_generate_fuses_a_plugin_lm_into_a_plugin_translation_model(
     alone = hypotheses()
     assert hypotheses(*lm, "--lm-weight", 0) == alone  # the LM runs, and adds nothing
     assert hypotheses(*lm, "--lm-weight", 0.5) != alone
+
+
+def test_long_sequences_under_glibcs_malloc_are_told_the_faster_one(lm_data, caplog, monkeypatch):
+    """32 dims x 262,144 tokens: each activation of a sequence is 32 MiB, glibc's largest mmap
+    threshold, so glibc would fault it in again at every step; the line names tcmalloc."""
+    long = ("--tokens-per-sample", 262144)
+    for allocator, warned in (("glibc", True), ("tcmalloc", False)):
+        monkeypatch.setattr(cpu_allocator, "loaded_allocator", lambda: allocator)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            build_lm(lm_data, "transformer_lm_local", *long)
+        assert ("LD_PRELOAD=libtcmalloc_minimal.so.4" in caplog.text) == warned, allocator
+    monkeypatch.setattr(cpu_allocator, "loaded_allocator", lambda: "glibc")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        build_lm(lm_data, "transformer_lm_local", "--tokens-per-sample", 262143)
+    assert "tcmalloc" not in caplog.text

@@ -9,6 +9,7 @@ from typing import Callable
 import fairseq
 import torch
 
+from ...cpu_allocator import loaded_allocator
 from .decoding import decode, decoding_record
 from .memory import describe_models
 from .models import LanguageModelBuilder
@@ -30,11 +31,12 @@ def machine() -> dict:
         "torch": torch.__version__,
         "fairseq": fairseq.__version__,
         "python": platform.python_version(),
-        # glibc's malloc settings and a preloaded allocator change the time of large
-        # allocations (docs/benchmarks.md: fresh pages for every tensor over 32 MiB)
+        # glibc's malloc faults in fresh pages for every tensor over 32 MiB at every step,
+        # tcmalloc reuses them (cpu_allocator): the malloc decides how time per token grows
+        "allocator": loaded_allocator(),
         "allocator_environment": {
             name: value for name, value in os.environ.items()
-            if name.startswith("MALLOC_") or name == "LD_PRELOAD"
+            if name.startswith(("MALLOC_", "TCMALLOC_")) or name == "LD_PRELOAD"
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

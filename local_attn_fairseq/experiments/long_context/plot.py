@@ -74,7 +74,8 @@ def draw(record: dict, path: str) -> str:
     figure.suptitle(
         f"{s['layers']} layers, {s['dims']} dims, {s['heads']} heads: fairseq's transformer_lm "
         f"(global), every head local-{s['window']} (local), {s['global_heads']} global heads "
-        f"a layer (mixed); CPU, {machine['threads']} threads",
+        f"a layer (mixed); CPU, {machine['threads']} threads, "
+        f"{machine.get('allocator', 'glibc')}'s malloc",
         fontsize=9,
     )
     figure.tight_layout()

@@ -104,7 +104,8 @@ def report(record: dict) -> str:
     s, m = record["settings"], record["machine"]
     mixed = f"{s['global_heads']} global + {s['heads'] - s['global_heads']} local-{s['window']}"
     title = (
-        f"long context (CPU, {m['threads']} threads, torch {m['torch']}): {s['layers']} layers, "
+        f"long context (CPU, {m['threads']} threads, torch {m['torch']}, "
+        f"{m.get('allocator', 'glibc')}'s malloc): {s['layers']} layers, "
         f"{s['dims']} dims, {s['heads']} heads, vocabulary {s['vocab_size']}; global = "
         f"fairseq's transformer_lm, local = every head local-{s['window']}, mixed = {mixed}"
     )
