@@ -33,14 +33,15 @@ if WORKERS > 1:
 def fairseq_cli(tool, *args, cwd=None, check=True, stdin=None, separate_process=False):
     """Run a console script of this environment, the way a user types it.
 
-    fairseq's own tools run their entry point (the function the ``fairseq-*`` script calls) in
-    this process, sparing each call a Python start and a fairseq import; what they print, their
-    log and their exit status come back as from a separate process. ``separate_process`` (and
-    every other tool) runs the installed script itself.
+    fairseq's tools and the plugin's own (``local-attn-analyze``, ``local-attn-recipe``) run
+    their entry point (the function the installed script calls) in this process, sparing each
+    call a Python start and the imports of torch and fairseq (about 4 s); what they print,
+    their log and their exit status come back as from a separate process. ``separate_process``
+    (and every other tool) runs the installed script itself.
     """
     args = [str(a) for a in args]
     cmd = [os.path.join(BIN, tool), *args]
-    if tool in FAIRSEQ_ENTRY_POINTS and not separate_process:
+    if tool in IN_PROCESS_ENTRY_POINTS and not separate_process:
         proc = _run_entry_point(tool, args, cwd, stdin)
     else:
         proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, input=stdin)
@@ -51,9 +52,10 @@ def fairseq_cli(tool, *args, cwd=None, check=True, stdin=None, separate_process=
     return proc
 
 
-FAIRSEQ_ENTRY_POINTS = {
-    e.name: e for e in entry_points(group="console_scripts") if e.value.startswith("fairseq_cli.")
-}
+IN_PROCESS_ENTRY_POINTS = {
+    e.name: e for e in entry_points(group="console_scripts")
+    if e.value.startswith(("fairseq_cli.", "local_attn_fairseq."))
+}  # fmt: skip
 # fairseq's tools log to stdout (fairseq_cli's logging.basicConfig), so their records go there.
 FAIRSEQ_LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 
@@ -68,9 +70,10 @@ def forget_previous_best():
 
 
 def _run_entry_point(tool, args, cwd, stdin):
-    main = FAIRSEQ_ENTRY_POINTS[tool].load()
+    main = IN_PROCESS_ENTRY_POINTS[tool].load()
     forget_previous_best()
-    return _run_in_process(tool, args, main, cwd, stdin)
+    # what the installed script does: its exit status is what main returns
+    return _run_in_process(tool, args, lambda: sys.exit(main()), cwd, stdin)
 
 
 def run_script(script, *args, cwd=None, env=None, separate_process=False):

@@ -255,18 +255,19 @@ def generated_score(log_path, metric="BLEU"):
     return float(match.group(1))
 
 
-def decode_and_score(argv, checkpoint, out_path, metric="BLEU"):
+def decode_and_score(argv, checkpoint, out_path, metric="BLEU", in_process=False):
     """fairseq-generate ``argv`` of ``checkpoint``, its output kept in ``out_path`` and reused
-    while it is newer than the checkpoint (``fairseq_runner.kept_output``); returns its score."""
+    while it is newer than the checkpoint (``fairseq_runner.kept_output``, ``in_process`` too);
+    returns its score."""
     read = functools.partial(generated_score, metric=metric)
-    return kept_output("fairseq-generate", argv, checkpoint, out_path, read)
+    return kept_output("fairseq-generate", argv, checkpoint, out_path, read, in_process=in_process)
 
 
-def bleu(bin_dir, checkpoint, out_path):
+def bleu(bin_dir, checkpoint, out_path, in_process=False):
     """sacreBLEU of ``checkpoint`` on the test split, every sentence scored; the output of
     fairseq-generate is kept in ``out_path`` while it is newer than the checkpoint."""
     argv = [bin_dir, "--user-dir", USER_DIR, "--path", checkpoint, *GENERATE_TEST]
-    return decode_and_score(argv, checkpoint, out_path)
+    return decode_and_score(argv, checkpoint, out_path, in_process=in_process)
 
 
 def results_table(rows):
@@ -368,7 +369,7 @@ def run_demo(args):
             {
                 "model": label,
                 "encoder_attention_params": encoder_attention_parameters(checkpoint),
-                "bleu": bleu(bin_dir, checkpoint, generated),
+                "bleu": bleu(bin_dir, checkpoint, generated, in_process=True),  # all trained
                 "train_words_per_s": words_per_second(log),
             }
         )

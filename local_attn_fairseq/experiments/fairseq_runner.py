@@ -2,8 +2,9 @@
 
 - ``run_tool``: one tool to its end in a child process (the console script beside this
   Python), its output kept in a log; ``run_in_process``: the same tool's parser and ``main`` in
-  this process, so a recipe pays for importing torch and fairseq once, not once per step. Both
-  print the equivalent shell command first.
+  this process, so a recipe pays for importing torch and fairseq once, not once per step;
+  ``run_captured_in_process``: the same, its output in the log alone as from a child (the
+  demos' scoring once their runs have trained). All print the equivalent shell command first.
 - ``TrainingJob`` and ``train_side_by_side``: several ``fairseq-train`` runs at once, the cores
   split between them, one live progress line per run.
 - ``training_finished``, ``up_to_date`` and ``kept_output``: what an earlier run has already
@@ -28,6 +29,7 @@ BIN = os.path.dirname(sys.executable)
 # What fairseq's --user-dir loads: this package's own folder.
 USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_TAIL = 3000  # characters of a failed run's log shown in its error
+LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"  # fairseq's tools' own
 
 
 class RunFailed(RuntimeError):
@@ -107,14 +109,15 @@ def up_to_date(output, *sources):
     return all(written >= os.path.getmtime(source) for source in sources)
 
 
-def kept_output(tool, argv, checkpoint, out_path, read, env=None):
+def kept_output(tool, argv, checkpoint, out_path, read, env=None, in_process=False):
     """``read(path)`` of what ``tool argv`` printed about ``checkpoint``, kept in ``out_path`` and
     reused while it is newer than the checkpoint and ``read`` finds its result there.
 
     ``read`` raises RunFailed when the output lacks the result. The output goes to
     ``<out_path>.partial`` (kept for reading when the tool fails) and is renamed into place only
     when the tool succeeded and ``read`` found its result, so an interrupted run of the tool is
-    redone instead of being taken for a finished one.
+    redone instead of being taken for a finished one. ``in_process``: the tool runs here
+    (``run_captured_in_process``), for a caller that runs nothing beside it.
     """
     if up_to_date(out_path, checkpoint):
         try:
@@ -122,7 +125,10 @@ def kept_output(tool, argv, checkpoint, out_path, read, env=None):
         except RunFailed:
             pass
     partial = f"{out_path}.partial"
-    run_tool(tool, argv, partial, env)
+    if in_process:
+        run_captured_in_process(tool, argv, partial)
+    else:
+        run_tool(tool, argv, partial, env)
     result = read(partial)
     publish(partial, out_path)
     return result
@@ -231,7 +237,7 @@ def logging_to(path):
         with open(path, "a", encoding="utf-8") as log:
             log.write(f"{NEW_SESSION}{time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(name)s | %(message)s"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root = logging.getLogger()
     root.addHandler(handler)
     try:
@@ -247,6 +253,38 @@ def run_in_process(tool, argv, log_path):
     print(command_line(tool, argv), flush=True)
     with logging_to(log_path):
         return _IN_PROCESS[tool](argv)
+
+
+def run_captured_in_process(tool, argv, log_path):
+    """``run_tool`` without the child process: ``tool``'s ``main`` here, what it prints and logs
+    written to ``log_path`` only, a failure raised as RunFailed with the log's tail. Spares a
+    Python start and the imports of torch and fairseq (about 5 s a call) where tools run one
+    after another; beside training runs, ``run_tool``'s child waits passively for its cores,
+    which this process's threads, started long before, cannot be told to do."""
+    argv = [str(a) for a in argv]
+    print(command_line(tool, argv), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    failure = None
+    with open(log_path, "w", encoding="utf-8") as log:
+        handler = logging.StreamHandler(log)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.handlers[:] = [handler]  # as from a child: its records in its log, not on the console
+        root.setLevel(logging.INFO)
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                _IN_PROCESS[tool](argv)
+        except (Exception, SystemExit) as error:  # SystemExit: fairseq's argument errors
+            failure = error
+        finally:
+            root.handlers[:] = saved[0]
+            root.setLevel(saved[1])
+    if failure is not None:
+        raise RunFailed(
+            f"{tool} failed ({type(failure).__name__}: {failure}), see {log_path}:\n"
+            f"{log_tail(log_path)}"
+        ) from failure
 
 
 def _preprocess(argv):

@@ -323,7 +323,8 @@ def perplexity(bin_dir, save_dir, subset, settings):
         "--required-batch-size-multiple", 1,
     ]  # fmt: skip
     out = os.path.join(save_dir, f"eval-lm-{subset}.txt")
-    return kept_output("fairseq-eval-lm", argv, checkpoint, out, read_perplexity)
+    # after every run has trained: nothing runs beside it
+    return kept_output("fairseq-eval-lm", argv, checkpoint, out, read_perplexity, in_process=True)
 
 
 def read_continuation(path):

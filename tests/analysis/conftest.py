@@ -26,9 +26,10 @@ WINDOW_MODEL = [
 ]
 
 
-def analyze(*args, check=True):
-    """``local-attn-analyze`` as a user types it."""
-    return fairseq_cli("local-attn-analyze", *args, check=check)
+def analyze(*args, check=True, separate_process=False):
+    """``local-attn-analyze`` as a user types it (its entry point in this process unless
+    ``separate_process``: the installed script)."""
+    return fairseq_cli("local-attn-analyze", *args, check=check, separate_process=separate_process)
 
 
 def read_json(path):

@@ -50,7 +50,7 @@ def test_a_folder_of_someone_else_is_not_written_into(window_checkpoint, tiny_da
     (out / "windows.json").write_text("the user's own")
     options = ["windows", "--path", window_checkpoint, "--data", tiny_data / "bin",
                "--gen-subset", "valid", "--max-sentences", 1, "--output-dir", out, "--cpu"]
-    proc = analyze(*options, check=False)
+    proc = analyze(*options, check=False, separate_process=True)  # the installed script
     assert_one_line_error(proc, "--output-dir", str(out), "--overwrite")
     assert sorted(p.name for p in out.iterdir()) == ["windows.json"]
     assert (out / "windows.json").read_text() == "the user's own"

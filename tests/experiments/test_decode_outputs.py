@@ -1,6 +1,7 @@
 """demo.bleu and speech_pipeline.score keep fairseq-generate's output for a checkpoint, and only
 a finished decode's: one killed part-way is decoded again instead of failing every later run."""
 
+import logging
 import os
 import time
 
@@ -72,3 +73,34 @@ def test_a_failed_decode_keeps_its_log_beside_and_nothing_under_the_name(tmp_pat
     with pytest.raises(demo.RunFailed, match="no BLEU score"):
         demo.bleu(str(tmp_path), str(checkpoint), str(out))
     assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "generate-test.txt.partial"]
+
+
+def hypotheses(path):
+    return sorted(line for line in path.read_text().splitlines() if line.startswith(("S-", "H-")))
+
+
+def test_a_decode_in_this_process_writes_what_a_child_writes(tiny_data, trained_checkpoint,
+                                                            tmp_path, capsys):  # fmt: skip
+    """The text demo decodes in its own process once every run has trained: the same score and
+    hypotheses as fairseq-generate's own process, in the file only (the console gets the
+    command); the process's logging is as it was."""
+    data, checkpoint = str(tiny_data / "bin"), str(trained_checkpoint)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    child = demo.bleu(data, checkpoint, str(tmp_path / "child.txt"))
+    here = demo.bleu(data, checkpoint, str(tmp_path / "here.txt"), in_process=True)
+    assert here == child and hypotheses(tmp_path / "here.txt") == hypotheses(tmp_path / "child.txt")
+    assert "BLEU = " in (tmp_path / "here.txt").read_text()
+    printed = capsys.readouterr().out
+    assert "$ fairseq-generate" in printed and "H-0" not in printed
+    assert root.handlers == handlers and root.level == level
+
+
+def test_a_failed_decode_in_this_process_is_a_run_failure_with_its_log(tiny_data, tmp_path):
+    broken = tmp_path / "checkpoint.pt"
+    broken.write_bytes(b"")
+    out = tmp_path / "generate-test.txt"
+    with pytest.raises(demo.RunFailed, match="fairseq-generate failed") as failure:
+        demo.bleu(str(tiny_data / "bin"), str(broken), str(out), in_process=True)
+    assert "see " + str(out) + ".partial" in str(failure.value)
+    assert not out.exists() and (tmp_path / "generate-test.txt.partial").exists()

@@ -49,9 +49,6 @@ STAND_INS = {
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-ONE_THREAD_ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-
-
 @pytest.fixture(scope="session")
 def ding_pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ding_pairs")
@@ -596,29 +593,6 @@ def test_docs_carry_each_papers_settings_tables():
         for key in ("chosen", "departures"):
             table = rc.settings_table(names, key)
             assert table in docs, f"docs/reproduction.md lacks the {key} table of {paper}"
-
-
-# ---- the small-scale study ------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_small_scale_study_writes_its_table(tmp_path):
-    work = tmp_path / "w"
-    # two runs side by side on the Ding corpus, the gated model scored after pruning
-    argv = ["--work-dir", work, "--corpus", "ding-de-en", "--max-update", 2, "--seeds", "1,2"]
-    argv += ["--tiny", "--jobs", 2, "--models", "baseline,gates_l0", "--max-train", 200]
-    argv += ["--vocab-size", 200, "--test-size", 4]
-    # in this process (its trainings are processes of their own, one thread each)
-    proc = run_script(os.path.join("scripts", "small_scale_study.py"), *argv, env=ONE_THREAD_ENV)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    study = json.loads((work / "small_scale_study.json").read_text())
-    (ding,) = study["corpora"]
-    assert ding["corpus"] == "ding-de-en" and set(ding["models"]) == {"baseline", "gates_l0"}
-    gated = ding["models"]["gates_l0"]
-    assert len(gated["runs"]) == 2 and len(gated["encoder_heads_kept"]) == 2
-    table = (work / "small_scale_study.md").read_text()
-    assert "| transformer (baseline) |" in table and "2 runs side by side" in table
-    assert "--max-update 2" in table
 
 
 # ---- nothing of the user's is replaced; downloads are checked -------------------------------

@@ -1,4 +1,5 @@
-"""The demos and the benchmark end to end, reduced to a smoke run (small training set, 1 epoch)."""
+"""The text demo and the benchmarks end to end, reduced to a smoke run (small training set, 1
+epoch); the speech demo: test_speech_study.py, which shares its runs."""
 
 import json
 import os
@@ -10,16 +11,13 @@ from datetime import datetime, timedelta
 import pytest
 import torch
 
-from local_attn_fairseq.data.mustc import read_manifest
 from local_attn_fairseq.experiments.measurement import attention_traffic_bytes, band_flops
 
 from ..conftest import REPO, run_script
-from .speech_corpus import needs_diatheke, needs_espeak
 
 pytestmark = pytest.mark.slow
 
 DEMO = os.path.join("scripts", "demo.py")
-SPEECH_DEMO = os.path.join("scripts", "demo_speech.py")
 THROUGHPUT = os.path.join("benchmarks", "training_throughput.py")
 
 
@@ -51,66 +49,6 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
     # a second run finds everything done and only prints the table again
     again = run_script(DEMO, *argv)  # in this process: no second Python start
     assert again.returncode == 0 and "fairseq-train" not in again.stdout
-
-
-@needs_espeak
-@needs_diatheke
-def test_speech_demo_runs_end_to_end_and_prints_the_table(tmp_path):
-    """``make demo-speech``'s command on a few dozen spoken verses, a few updates a run."""
-    work = tmp_path / "speech"
-    argv = ["--quick", "--work-dir", work]
-    out = run_script(SPEECH_DEMO, *argv, separate_process=True)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    results = json.loads((work / "results.json").read_text())
-    windows = ",".join(str(w) for w in results["windows"])
-    table = out.stdout[out.stdout.index("| model |") :]
-    assert re.search(r"\| ASR \(global\) \| 0,0,0,0,0,0 \| WER [\d.]+ \|", table)
-    global_rows = ["ST, global encoder, before training", "ST, global encoder",
-                   "ST, global encoder, test audio shuffled across verses"]  # fmt: skip
-    local = "ST, local encoder (Algorithm 1's windows)"
-    for model in global_rows:
-        assert re.search(rf"\| {re.escape(model)} \| 0,0,0,0,0,0 \| BLEU [\d.]+ \|", table), model
-    for model in (local, f"{local}, test audio shuffled across verses"):
-        assert f"| {model} | {windows} | BLEU" in table, model
-    assert [r["model"] for r in results["rows"]] == ["ASR (global)", *global_rows, local,
-                                                     f"{local}, test audio shuffled across verses"]
-    assert "Encoder self-attention of the local arm at the mean length" in out.stdout
-    # the shuffled levels are the ST records' own, as the study records them
-    st_records = [json.loads(p.read_text()) for p in work.glob("records/*-speech-st_*.json")]
-    shuffled_rows = {r["model"]: r["score"] for r in results["rows"] if "shuffled" in r["model"]}
-    assert sorted(shuffled_rows.values()) == sorted(r["shuffled_audio_score"] for r in st_records)
-    assert (work / "speech_study.md").stat().st_size > 0 and (work / "results.md").exists()
-    # not a terminal: plain progress lines while the three models train
-    for run in ("ASR, global encoder", "ST, global encoder", re.escape(local)):
-        assert re.search(rf"^\| progress \| {run}.*: epoch \d+ \| updates", out.stdout, re.M), run
-
-    # the untrained level decodes the model the global arm started from: the ASR encoder it
-    # loaded, the decoder its seed drew (not the trained one)
-    (st_dir,) = work.glob("*/runs/st_global-*")
-    initial = torch.load(st_dir / "initial" / "checkpoint_initial.pt", weights_only=False)
-    trained = torch.load(st_dir / "checkpoint_best.pt", weights_only=False)
-    (encoder_file,) = work.glob("*/runs/asr-*/encoder_for_st_u*.pt")
-    asr = torch.load(encoder_file, weights_only=False)["model"]
-    layer = "encoder.transformer_layers.0.fc1.weight"
-    assert torch.equal(initial["model"][layer], asr[layer])
-    assert not torch.equal(initial["model"][layer], trained["model"][layer])
-    decoder = "decoder.layers.0.fc1.weight"
-    assert not torch.equal(initial["model"][decoder], trained["model"][decoder])
-    # the shuffled test set pairs every verse's text with another verse's audio
-    (data,) = work.glob("*/data")
-    real, shuffled = (read_manifest(data / f"{name}_st.tsv")
-                      for name in ("tst-COMMON", "tst-COMMON_shuffled"))  # fmt: skip
-    assert [r["tgt_text"] for r in real] == [r["tgt_text"] for r in shuffled]
-    assert all(a["audio"] != b["audio"] for a, b in zip(real, shuffled))
-    assert sorted(r["audio"] for r in real) == sorted(r["audio"] for r in shuffled)
-
-    # a second run trains and decodes nothing: every run and score is read back
-    again = run_script(SPEECH_DEMO, *argv)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "fairseq_train" not in again.stdout and "fairseq-generate" not in again.stdout
-    assert again.stdout[again.stdout.index("| model |") :].split("\n\n")[0] == table.split(
-        "\n\n"
-    )[0]
 
 
 def test_benchmark_prints_the_ratio(tmp_path):

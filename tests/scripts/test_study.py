@@ -1,6 +1,7 @@
 """The study's reduced form through its command line: a thousand Ding sentence pairs, two tiny
-models, one seed, a cap of 4 updates, then a cap of 8 that continues the same runs, then the
-same study in another folder that reads the runs from the first one's records."""
+models (the baseline and the gated one, scored after pruning) trained side by side, one seed, a
+cap of 4 updates, then a cap of 8 that continues the same runs, then the same study in another
+folder that reads the runs from the first one's records."""
 
 import json
 import os
@@ -21,8 +22,8 @@ def run_study(work, max_update, *options, separate_process=False):
     their own processes either way)."""
     out = run_script(
         STUDY, "--work-dir", work, "--corpus", "ding-de-en", "--tiny", "--max-train", 1000,
-        "--test-size", 20, "--vocab-size", 400, "--seeds", 1, "--models", "baseline,local_tied",
-        "--max-update", max_update, *options, separate_process=separate_process,
+        "--test-size", 20, "--vocab-size", 400, "--seeds", 1, "--models", "baseline,gates_l0",
+        "--jobs", 2, "--max-update", max_update, *options, separate_process=separate_process,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -42,7 +43,7 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     work = tmp_path / "study"
     first = run_study(work, 4, separate_process=True)
     runs = sorted((work / "ding-de-en" / "runs").iterdir())
-    assert [r.name.split("-")[0] for r in runs] == ["baseline", "local_tied"]
+    assert [r.name.split("-")[0] for r in runs] == ["baseline", "gates_l0"]
     # not a terminal: plain progress lines, one per run
     assert re.search(r"^\| progress \| transformer \(baseline\) \[baseline-\w+\]: epoch \d+ \| "
                      r"updates \d+/4 \| loss ", first, re.M)  # fmt: skip
@@ -58,9 +59,15 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     study = json.loads((work / "small_scale_study.json").read_text())
     baseline = study["corpora"][0]["models"]["baseline"]
     assert baseline["updates_trained"] == 8 and len(baseline["runs"]) == 1
+    # the gated model is scored after its closed heads are pruned
+    (ding,) = study["corpora"]
+    assert ding["corpus"] == "ding-de-en" and set(ding["models"]) == {"baseline", "gates_l0"}
+    gated = ding["models"]["gates_l0"]
+    assert len(gated["runs"]) == 1 and len(gated["encoder_heads_kept"]) == 1
     walls = [v["wall"] for v in baseline["runs"][0]["validations"]]
     assert walls == sorted(walls) and walls[0] > 0  # wall time keeps counting across sessions
     assert "| transformer (baseline) |" in second and "updates to convergence" in second
+    assert "2 runs side by side" in second and "--max-update 8" in second
 
     # a third call finds both runs finished: nothing is trained or scored again
     third = run_study(work, 8)
@@ -69,7 +76,7 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
 
     # another folder (another machine) given the records: the runs are read, not trained
     records = sorted(p.name for p in (work / "records").iterdir())
-    assert [r.split("-seed1-")[0] for r in records] == ["ding-de-en-baseline", "ding-de-en-local_tied"]
+    assert [r.split("-seed1-")[0] for r in records] == ["ding-de-en-baseline", "ding-de-en-gates_l0"]
     elsewhere = tmp_path / "elsewhere"
     fourth = run_study(elsewhere, 8, "--records", work / "records")
     assert fourth.count("reused") == 2 and "fairseq_train" not in fourth
@@ -83,7 +90,7 @@ def test_study_resumes_its_runs_and_reports_to_the_work_folder(tmp_path):
     progress = run_study(elsewhere, 8, "--records", partial, "--report-only")
     assert "fairseq_train" not in progress and "fairseq-generate" not in progress
     assert "**A study in progress:** 1 of 2 runs recorded" in progress
-    assert "| transformer (baseline) |" in progress and "| transformer_local_tied" not in progress
+    assert "| transformer (baseline) |" in progress and "| encoder head gates" not in progress
     # a smaller budget is another study: its runs are not the recorded ones
     smaller = run_study(elsewhere, 4, "--records", work / "records", "--report-only")
     assert "2 runs, 0 recorded, 2 to train or score" in smaller
