@@ -87,13 +87,13 @@ def restart_under_tcmalloc() -> str:
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 
 
-def slow_malloc_warning(tokens: int, dims: int, allocator: Optional[str] = None) -> Optional[str]:
+def slow_malloc_warning(tokens: int, dims: int) -> Optional[str]:
     """The line to log where glibc's malloc serves this process and one sequence's activations
     (``tokens`` x ``dims`` float32 numbers) are each over its mmap threshold, so that every
     training step faults them in again; None otherwise."""
     if tokens * dims * 4 < GLIBC_MMAP_THRESHOLD_MAX:
         return None
-    if (allocator or loaded_allocator()) != "glibc":
+    if loaded_allocator() != "glibc":
         return None
     return (
         f"sequences of {tokens} tokens on the CPU under glibc's malloc, which returns every "
