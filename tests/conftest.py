@@ -17,6 +17,7 @@ BIN = os.path.dirname(sys.executable)
 
 sys.path.insert(0, REPO)
 import local_attn_fairseq  # noqa: E402,F401  (shims + registrations, as --user-dir does)
+from local_attn_fairseq.experiments.training_progress import LOG_FORMAT  # noqa: E402
 
 # One worker per core (pytest.ini): torch's threads beyond a worker's share of the cores only
 # wait for each other (measured on 2 cores: the same tests took 35% longer and 70% more CPU).
@@ -56,8 +57,6 @@ IN_PROCESS_ENTRY_POINTS = {
     e.name: e for e in entry_points(group="console_scripts")
     if e.value.startswith(("fairseq_cli.", "local_attn_fairseq."))
 }  # fmt: skip
-# fairseq's tools log to stdout (fairseq_cli's logging.basicConfig), so their records go there.
-FAIRSEQ_LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 
 
 def forget_previous_best():
@@ -97,7 +96,8 @@ def _run_in_process(program, args, run, cwd, stdin=None, env=None):
     exception's traceback on stderr, status 1), the process state restored afterwards."""
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(out)
-    handler.setFormatter(logging.Formatter(FAIRSEQ_LOG_FORMAT))
+    # fairseq's tools log to stdout (fairseq_cli's logging.basicConfig): their records go there
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root = logging.getLogger()
     saved = sys.argv, sys.stdin, os.getcwd(), root.handlers[:], root.level, dict(os.environ)
     sys.argv = [program, *args]

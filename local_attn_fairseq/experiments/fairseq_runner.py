@@ -22,14 +22,13 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..file_safety import publish
-from .training_progress import DONE_TRAINING, ProgressDisplay, RunLog
+from .training_progress import DONE_TRAINING, LOG_FORMAT, ProgressDisplay, RunLog
 
 TOOLS = ("fairseq-preprocess", "fairseq-train", "fairseq-generate", "fairseq-eval-lm")
 BIN = os.path.dirname(sys.executable)
 # What fairseq's --user-dir loads: this package's own folder.
 USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_TAIL = 3000  # characters of a failed run's log shown in its error
-LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"  # fairseq's tools' own
 
 
 class RunFailed(RuntimeError):

@@ -50,11 +50,15 @@ class _CurrentStdoutHandler(logging.StreamHandler):
         return sys.stdout
 
 
+# fairseq's tools' own log format (fairseq_cli's logging.basicConfig)
+LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
+
+
 def console_logging():
     """fairseq-train's console log format on stdout, at INFO (or $LOGLEVEL): importing fairseq
     configures Python's default format at DEBUG, which this replaces."""
     logging.basicConfig(
-        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+        format=LOG_FORMAT,
         datefmt="%Y-%m-%d %H:%M:%S",
         level=os.environ.get("LOGLEVEL", "INFO").upper(),
         handlers=[_CurrentStdoutHandler()],
