@@ -19,6 +19,11 @@ sys.path.insert(0, REPO)
 import local_attn_fairseq  # noqa: E402,F401  (shims + registrations, as --user-dir does)
 from local_attn_fairseq.experiments.training_progress import LOG_FORMAT  # noqa: E402
 
+from . import fairseq_config_composition  # noqa: E402
+
+# fairseq's tools run here hundreds of times: their config composed once per choice of groups
+fairseq_config_composition.install()
+
 # One worker per core (pytest.ini): torch's threads beyond a worker's share of the cores only
 # wait for each other (measured on 2 cores: the same tests took 35% longer and 70% more CPU).
 # Each worker, and every process it starts, gets its share; tests of the kernels' parallel

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import re
-import threading
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -115,29 +114,6 @@ HYDRA_NOTICES = (
 )
 
 
-def on_a_short_stack(function, *args):
-    """``function(*args)`` in a thread of its own, its exception raised here.
-
-    fairseq composes its configuration with hydra, which looks for its caller with
-    ``inspect.stack()``, reading the source lines of every frame on the stack: about a tenth of
-    a second per run under pytest's hundred frames, next to nothing in a new thread.
-    """
-    outcome = {}
-
-    def call():
-        try:
-            outcome["value"] = function(*args)
-        except BaseException as error:  # raised again in the caller's thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
-
-
 @contextlib.contextmanager
 def fairseq_tool():
     """Around a tool's ``main``: what it prints is kept, hydra's notices are left out."""
@@ -170,7 +146,7 @@ def fairseq_train(*argv) -> TrainingLog:
     args = parse(options.get_training_parser(), [*argv, "--log-format", "json"])
     forget_previous_best()
     with log_records("fairseq.logging.progress_bar") as records, fairseq_tool():
-        on_a_short_stack(train_main, args)
+        train_main(args)
     by_tag = defaultdict(list)
     for tag, message in records:
         by_tag[tag].append(json.loads(message))
@@ -224,7 +200,7 @@ def fairseq_generate(data_bin, checkpoint, *argv) -> Decoded:
         [data_bin, "--user-dir", USER_DIR, "--path", checkpoint, *argv],
     )
     with fairseq_tool() as out:
-        on_a_short_stack(generate.main, args)
+        generate.main(args)
     return Decoded.parse(out.getvalue())
 
 
@@ -234,7 +210,7 @@ def fairseq_interactive(data_bin, checkpoint, input_file, *argv) -> Decoded:
         [data_bin, "--user-dir", USER_DIR, "--path", checkpoint, "--input", input_file, *argv],
     )
     with fairseq_tool() as out:
-        on_a_short_stack(interactive.main, args)
+        interactive.main(args)
     return Decoded.parse(out.getvalue())
 
 
@@ -245,7 +221,7 @@ def fairseq_eval_lm(data_bin, checkpoint, *argv):
         [data_bin, "--user-dir", USER_DIR, "--path", checkpoint, *argv],
     )
     with log_records("fairseq_cli.eval_lm") as records, fairseq_tool():
-        results = on_a_short_stack(eval_lm.main, args)
+        results = eval_lm.main(args)
     scored = [re.search(r"Evaluated ([\d,]+) tokens", m) for _, m in records]
     tokens = [int(found.group(1).replace(",", "")) for found in scored if found]
     assert len(tokens) == 1, records
