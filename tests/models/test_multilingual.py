@@ -86,7 +86,7 @@ def test_both_directions_train_and_decode_alone_as_in_a_batch(
                 "fairseq-generate", data, "--user-dir", USER_DIR, "--path", checkpoint,
                 *MULTILINGUAL, *langs, "--source-lang", src, "--target-lang", tgt,
                 "--gen-subset", "test", "--beam", 2, "--max-len-b", 8, "--batch-size", batch,
-                "--required-batch-size-multiple", 1,
+                "--required-batch-size-multiple", 1, "--num-workers", 0,
             )  # fmt: skip
             decoded[batch] = hypotheses(out.stdout)
         assert sorted(decoded[every]) == list(range(TEST_SENTENCES)), (src, tgt)
