@@ -57,7 +57,7 @@ from .fairseq_runner import (
     TrainingJob,
     exit_on_failure,
     kept_output,
-    run_tool,
+    run_captured_in_process,
     tool_path,
     train_side_by_side,
     training_finished,
@@ -178,7 +178,8 @@ def binarise(spm_dir, bin_dir, src, tgt, log_path):
         ) from None
     prefixes = {split: f"{spm_dir}/{split}" for split in SPLITS}
     with staged_dir(bin_dir, WORK_DIR_OWNER) as staging:
-        run_tool(
+        # in this process: nothing trains yet, and a child would spend 5 s importing fairseq
+        run_captured_in_process(
             "fairseq-preprocess", preprocess_argv(src, tgt, prefixes, staging, joined=True),
             log_path,
         )  # fmt: skip

@@ -104,7 +104,7 @@ def test_a_run_killed_in_fairseq_preprocess_binarises_again(work, monkeypatch):
     """Killed once early (dictionaries and part of a .bin written), once at the end (the last
     .bin half written)."""
     _, _, _, bin_dir = folders(work)
-    run_tool, full = demo.run_tool, {}
+    binarise, full = demo.run_captured_in_process, {}
 
     def preprocess_killed_early(tool, argv, log_path):
         destination = argv[argv.index("--destdir") + 1]
@@ -115,7 +115,7 @@ def test_a_run_killed_in_fairseq_preprocess_binarises_again(work, monkeypatch):
         raise KeyboardInterrupt
 
     def preprocess_killed_late(tool, argv, log_path):
-        run_tool(tool, argv, log_path)
+        binarise(tool, argv, log_path)
         last = os.path.join(argv[argv.index("--destdir") + 1], "test.de-en.en.bin")
         with open(last, "rb") as f:
             full["bin"] = f.read()
@@ -124,11 +124,11 @@ def test_a_run_killed_in_fairseq_preprocess_binarises_again(work, monkeypatch):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patched:
-        patched.setattr(demo, "run_tool", preprocess_killed_early)
+        patched.setattr(demo, "run_captured_in_process", preprocess_killed_early)
         killed(lambda: prepare(work))
     assert not os.path.exists(bin_dir) and not os.path.exists(bin_dir + ".partial")
     with monkeypatch.context() as patched:
-        patched.setattr(demo, "run_tool", preprocess_killed_late)
+        patched.setattr(demo, "run_captured_in_process", preprocess_killed_late)
         killed(lambda: prepare(work))
     assert not os.path.exists(bin_dir) and not os.path.exists(bin_dir + ".partial")
     assert_complete(work)
