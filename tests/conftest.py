@@ -181,11 +181,8 @@ def tiny_data(tmp_path_factory):
     """A small real de-en corpus (Ding sentences, word-level) binarised by fairseq-preprocess."""
     root = tmp_path_factory.mktemp("ding_tiny")
     raw = root / "raw"
-    subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "prepare_ding.py"), "--out-dir", str(raw)],
-        check=True,
-        capture_output=True,
-    )
+    prepared = run_script(os.path.join("scripts", "prepare_ding.py"), "--out-dir", raw)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
     sizes = {"train": 400, "valid": 40, "test": 40}
     small = root / "small"
     small.mkdir()

@@ -40,9 +40,13 @@ def test_split_is_seeded_and_disjoint():
         prepare_ding.split_pairs(pairs[:12], 10, 5, seed=1)
 
 
+SCRIPT = os.path.join("scripts", "prepare_ding.py")
+
+
 def test_real_dictionary_gives_the_documented_corpus(tmp_path):
+    """As a user runs it, a process of its own; the other runs of the script are in this one."""
     out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "prepare_ding.py"), "--out-dir", tmp_path],
+        [sys.executable, os.path.join(REPO, SCRIPT), "--out-dir", tmp_path],
         capture_output=True,
         text=True,
         check=True,
@@ -54,22 +58,10 @@ def test_real_dictionary_gives_the_documented_corpus(tmp_path):
 
 
 def test_missing_dictionary_is_a_clear_error(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "scripts", "prepare_ding.py"),
-            "--source",
-            tmp_path / "nope",
-            "--out-dir",
-            tmp_path / "out",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_script(SCRIPT, "--source", tmp_path / "nope", "--out-dir", tmp_path / "out")
     assert proc.returncode != 0 and "apt-get install trans-de-en" in proc.stderr
 
 
-SCRIPT = os.path.join("scripts", "prepare_ding.py")
 SMALL = ["--test-size", "3", "--valid-size", "2", "--max-train", "5"]
 
 
