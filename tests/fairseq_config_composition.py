@@ -61,8 +61,8 @@ def compose(config_name, overrides, strict=None):
 
 @contextlib.contextmanager
 def initialized_when_composed(config_path):
-    """``compose`` above initializes hydra when it composes (with the config folder's path: no
-    look up the call stack for the caller's file, 0.1 s under pytest's frames)."""
+    """``compose`` above initializes hydra when it composes, given the config folder's path:
+    hydra then does not read the call stack for its caller's file (0.1 s under pytest's frames)."""
     yield
 
 

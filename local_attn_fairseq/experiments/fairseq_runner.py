@@ -4,7 +4,8 @@
   Python), its output kept in a log; ``run_in_process``: the same tool's parser and ``main`` in
   this process, so a recipe pays for importing torch and fairseq once, not once per step;
   ``run_captured_in_process``: the same, its output in the log alone as from a child (the
-  demos' binarisation before their runs train, their scoring once the runs have trained). All print the equivalent shell command first.
+  demos' binarisation before their runs train, their scoring once the runs have trained). All
+  print the equivalent shell command first.
 - ``TrainingJob`` and ``train_side_by_side``: several ``fairseq-train`` runs at once, the cores
   split between them, one live progress line per run.
 - ``training_finished``, ``up_to_date`` and ``kept_output``: what an earlier run has already
